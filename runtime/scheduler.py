@@ -1,0 +1,98 @@
+"""Iteration-level continuous batching (Yu et al. 2022, "Orca") with a token budget.
+
+Every step: the running sequences first, in arrival order, each gets what it has not
+computed yet (one token when decoding, the next chunk of a long prompt when prefilling),
+within `max_num_batched_tokens`; then waiting sequences join, first come first served,
+while the budget, `max_num_seqs` and the KV pool allow. When the pool runs out, the
+newest running sequence is preempted by recomputation: its blocks are freed and it goes
+back to the front of the queue with its tokens, to be prefilled again later. Nothing is
+dropped, and the engine never crashes for lack of blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.block_manager import BlockManager
+from runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()  # the newest, never one already scheduled
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq, num_new)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        while (self.waiting and budget > 0 and not batch.num_preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.may_append(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take seq out of the queues for good and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
