@@ -1,0 +1,16 @@
+"""heterospec: a speculative decoding runtime (CPU drafts, GPU verifies, paged KV, continuous batching).
+
+    from runtime import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m")
+    print(llm.generate(["Hello"], SamplingParams(max_tokens=16))[0].text)
+"""
+from runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+
+
+def __getattr__(name):  # keep `import runtime` light: torch/transformers load on first use
+    if name in ("LLM", "GenerationResult"):
+        from runtime import llm
+        return getattr(llm, name)
+    raise AttributeError(name)

@@ -1,0 +1,100 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine, Prompt
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import RequestMetrics
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics  # .ttft_s .tpot_s .e2e_s .num_tokens
+
+
+@dataclass(slots=True)
+class RunSummary:
+    num_requests: int
+    num_output_tokens: int
+    elapsed_s: float
+    mean_ttft_s: float | None
+    mean_tpot_s: float | None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def __str__(self) -> str:
+        fmt = lambda x: "n/a" if x is None else f"{x * 1000:.1f} ms"  # noqa: E731
+        return (f"requests: {self.num_requests}  output tokens: {self.num_output_tokens}  "
+                f"throughput: {self.output_tokens_per_s:.1f} tok/s  mean TTFT: {fmt(self.mean_ttft_s)}  "
+                f"mean TPOT: {fmt(self.mean_tpot_s)}")
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+class LLM:
+    """Offline engine. Keyword arguments are EngineConfig fields (model, dtype, device,
+    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory, seed)."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = LLMEngine(EngineConfig(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.last_summary: RunSummary | None = None
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        """One result per prompt, in order. All prompts are validated before any runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        for prompt in prompts:  # fail before scheduling anything
+            self._validate(prompt)
+        engine = self.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        finished = {}
+        start = time.perf_counter()
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished:
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for rid in ids:
+                    if rid not in finished:
+                        engine.abort(rid)
+                raise
+        elapsed = time.perf_counter() - start
+        results = [GenerationResult(p, finished[r].prompt_token_ids, finished[r].text, finished[r].token_ids,
+                                    finished[r].finish_reason, finished[r].metrics) for p, r in zip(prompts, ids)]
+        self.last_summary = RunSummary(len(results), sum(len(r.token_ids) for r in results), elapsed,
+                                       _mean(r.metrics.ttft_s for r in results),
+                                       _mean(r.metrics.tpot_s for r in results))
+        return results
+
+    def _validate(self, prompt: Prompt) -> None:
+        n = len(self.engine.tokenize(prompt))
+        if n == 0 or n >= self.engine.max_model_len:
+            raise ValueError(f"a prompt has {n} tokens; it must have between 1 and {self.engine.max_model_len - 1}")
