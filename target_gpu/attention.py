@@ -41,7 +41,7 @@ class AttentionGroup:
 
     block_tables: torch.Tensor  # [B, num_blocks] (long)
     key_len: int  # L: max seq_len in the group
-    query_index: torch.Tensor  # [B * Qmax] rows of the flat batch (padding -> 0)
+    query_index: torch.Tensor | None  # [B * Qmax] rows of the flat batch (padding -> 0); None = all rows in order
     valid_rows: torch.Tensor | None  # [B * Qmax] bool, None when no padding
     attn_mask: torch.Tensor  # [B, 1, G * Qmax, L] bool
     query_len: int  # Qmax
@@ -86,10 +86,12 @@ def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device)
     # [B, Q, L] -> [B, 1, G*Q, L]: the same mask for each of the G query heads of a KV head
     attn_mask = mask.unsqueeze(1).expand(b, g, q_max, key_len).reshape(b, 1, g * q_max, key_len)
     all_valid = bool(valid.all())
+    query_index = query_index.flatten()
+    in_order = all_valid and seqs[0].query_start == 0 and bool((query_index == torch.arange(len(query_index))).all())
     return AttentionGroup(
         block_tables=tables.to(device),
         key_len=key_len,
-        query_index=query_index.flatten().to(device),
+        query_index=None if in_order else query_index.to(device),
         valid_rows=None if all_valid else valid.flatten().to(device),
         attn_mask=attn_mask.to(device),
         query_len=q_max,
@@ -111,12 +113,14 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        if len(meta.groups) == 1 and meta.groups[0].valid_rows is None:
+        if len(meta.groups) == 1 and meta.groups[0].query_index is None:
             return _attend_group(q, k_cache, v_cache, meta.groups[0])
         out = torch.empty_like(q)
         for group in meta.groups:
             rows = _attend_group(q, k_cache, v_cache, group)  # [B*Qmax, Hq, D]
             index = group.query_index
+            if index is None:
+                index = torch.arange(rows.shape[0], device=q.device)
             if group.valid_rows is not None:
                 rows, index = rows[group.valid_rows], index[group.valid_rows]
             out.index_copy_(0, index, rows)
@@ -133,7 +137,9 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys = k_cache[group.block_tables].flatten(1, 2)[:, :key_len].transpose(1, 2)
     values = v_cache[group.block_tables].flatten(1, 2)[:, :key_len].transpose(1, 2)
     # [B*Q, Hq, D] -> [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]
-    queries = q.index_select(0, group.query_index).view(b, q_len, num_kv_heads, g, head_dim)
+    if group.query_index is not None:
+        q = q.index_select(0, group.query_index)
+    queries = q.reshape(b, q_len, num_kv_heads, g, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, g * q_len, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.attn_mask)
     # [B, Hkv, G*Q, D] -> [B, Q, Hkv, G, D] -> [B*Q, Hq, D]

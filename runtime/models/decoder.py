@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # normalise in float32, scale in the model dtype (as HF does)
+        x32 = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -95,10 +95,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attention: AttentionFn):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)  # [T, Hq+Hkv, D], one call
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, Hkv, D]
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
