@@ -41,7 +41,7 @@ class AttentionGroup:
 
     block_tables: torch.Tensor  # [B, num_blocks] (long)
     key_len: int  # L: max seq_len in the group
-    query_index: torch.Tensor | None  # [B * Qmax] rows of the flat batch (padding -> 0); None = all rows in order
+    query_index: torch.Tensor | None  # [B * Qmax] rows of the flat batch (padding -> 0); None = rows 0..B*Qmax-1
     valid_rows: torch.Tensor | None  # [B * Qmax] bool, None when no padding
     attn_mask: torch.Tensor  # [B, 1, G * Qmax, L] bool
     query_len: int  # Qmax
@@ -137,8 +137,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys = k_cache[group.block_tables].flatten(1, 2)[:, :key_len].transpose(1, 2)
     values = v_cache[group.block_tables].flatten(1, 2)[:, :key_len].transpose(1, 2)
     # [B*Q, Hq, D] -> [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]
-    if group.query_index is not None:
-        q = q.index_select(0, group.query_index)
+    q = q.narrow(0, 0, b * q_len) if group.query_index is None else q.index_select(0, group.query_index)
     queries = q.reshape(b, q_len, num_kv_heads, g, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, g * q_len, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.attn_mask)

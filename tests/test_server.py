@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server end to end: real HTTP on 127.0.0.1, the real `openai` client.
+
+One float32 engine serves the whole module (uvicorn in a background thread). The greedy
+references come from that same engine, run directly before the server takes it over.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from runtime.async_engine import AsyncEngine  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.engine import LLMEngine  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.serve import build_app  # noqa: E402
+
+MODEL = "smollm2-135m"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 12
+METRIC_NAMES = ("heterospec_requests_total", "heterospec_generation_tokens_total",
+                "heterospec_time_to_first_token_seconds", "heterospec_time_per_output_token_seconds",
+                "heterospec_e2e_request_latency_seconds", "heterospec_num_requests_running",
+                "heterospec_num_requests_waiting", "heterospec_kv_cache_used_blocks",
+                "heterospec_kv_cache_free_blocks")
+ABORTED = 'heterospec_requests_total{finish_reason="abort"}'
+
+
+@dataclass
+class Served:
+    base_url: str
+    engine: LLMEngine
+    completion_ref: str  # greedy text of PROMPT, MAX_TOKENS tokens, run on the engine directly
+    chat_ref: str
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def run_directly(engine: LLMEngine, prompt, params: SamplingParams) -> str:
+    request_id = engine.add_request(prompt, params)
+    text = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                text = out.text
+    return text
+
+
+@contextmanager
+def serving(app):
+    """uvicorn on a free port of 127.0.0.1 in a background thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    completion_ref = run_directly(engine, PROMPT, greedy)
+    chat_ref = run_directly(engine, CHAT, greedy)
+    async_engine = AsyncEngine(engine)
+    try:
+        with serving(build_app(async_engine, MODEL)) as base_url:
+            yield Served(base_url, engine, completion_ref, chat_ref)
+    finally:
+        async_engine.shutdown()
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 10.0, what: str | Callable[[], str] = "") -> None:
+    """The engine loop runs asynchronously: poll until `condition()` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what() if callable(what) else what
+        time.sleep(0.05)
+
+
+def wait_idle(engine: LLMEngine) -> None:
+    """Every request gone and every KV block back in the free list."""
+    bm = engine.block_manager
+    eventually(lambda: not (engine.has_unfinished or engine.requests) and bm.num_free_blocks == bm.num_blocks,
+               what=lambda: f"{bm.num_free_blocks}/{bm.num_blocks} blocks free, {len(engine.requests)} requests left")
+
+
+def metric(base_url: str, sample: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def sse_events(lines) -> list:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+def test_completion_matches_engine(served):
+    resp = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == served.completion_ref
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    assert resp.usage.completion_tokens <= MAX_TOKENS
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completion_of_token_ids(served):
+    ids = served.engine.tokenize(PROMPT)
+    resp = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].text == served.completion_ref
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+def test_chat_completion_matches_engine(served):
+    resp = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == served.chat_ref
+    assert resp.usage.prompt_tokens == len(served.engine.tokenize(CHAT))
+
+
+def test_streaming_completion_equals_non_streaming(served):
+    stream = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                              stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == served.completion_ref
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_streaming_chat_equals_non_streaming_with_usage(served):
+    stream = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == served.chat_ref
+    assert with_choices[-1].choices[0].finish_reason in ("length", "stop")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens <= MAX_TOKENS and usage.prompt_tokens == len(served.engine.tokenize(CHAT))
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_sse_ends_with_done(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_stop_string(served):
+    words = served.completion_ref.split()
+    assert len(words) >= 3, served.completion_ref
+    stop = words[2]
+    expected = served.completion_ref[:served.completion_ref.index(stop)]
+    resp = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stop=[stop, "no such text"])
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_all_complete(served):
+    prompts = [f"Write a sentence about the number {i}." for i in range(6)]
+
+    def complete(prompt: str):
+        return served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.7, seed=1)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(complete, prompts))
+    assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
+    assert all(1 <= r.usage.completion_tokens <= 8 for r in results)
+    wait_idle(served.engine)
+
+
+# ---- the other endpoints ----------------------------------------------------------------------
+
+def test_models(served):
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_health(served):
+    resp = httpx.get(f"{served.base_url}/health")
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+
+
+def test_metrics_names(served):
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    resp = httpx.get(f"{served.base_url}/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    for name in METRIC_NAMES:
+        assert name in resp.text, name
+    assert metric(served.base_url, "heterospec_generation_tokens_total") >= 2
+
+
+# ---- bad input: always a 400 with OpenAI's error body ------------------------------------------
+
+def assert_error(resp: httpx.Response, status: int = 400, *words: str) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+def test_malformed_json(served):
+    resp = httpx.post(f"{served.base_url}/v1/chat/completions", content=b'{"messages": [',
+                      headers={"content-type": "application/json"})
+    assert_error(resp, 400, "JSON")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"model": MODEL}, "messages"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", [PROMPT], "body"),
+])
+def test_bad_fields(served, path, body, param):
+    error = assert_error(httpx.post(f"{served.base_url}{path}", json=body))
+    assert error["param"] == param
+
+
+def test_negative_temperature(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    assert info.value.status_code == 400
+    assert "temperature" in info.value.message
+
+
+def test_unknown_fields_are_ignored(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "frobnicate": {"x": 1}}
+    resp = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+
+
+def test_prompt_too_long(served):
+    max_len = served.engine.max_model_len
+    prompt = [1] * (max_len - 4)
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+    assert str(max_len) in info.value.message and str(max_len + 6) in info.value.message
+    resp = httpx.post(f"{served.base_url}/v1/completions", json={"prompt": [1] * max_len})
+    assert_error(resp, 400, str(max_len))
+
+
+# ---- nothing is lost --------------------------------------------------------------------------
+
+def start_long_stream(served: Served) -> None:
+    """Open a stream that would run for minutes, read a few chunks, then hang up."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [line for _, line in zip(range(3), filter(None, lines))]
+        assert len(got) == 3 and served.engine.block_manager.num_used_blocks > 0
+
+
+def test_streaming_disconnect_aborts(served):
+    wait_idle(served.engine)
+    aborted = metric(served.base_url, ABORTED)
+    start_long_stream(served)
+    wait_idle(served.engine)
+    eventually(lambda: metric(served.base_url, ABORTED) == aborted + 1, what="the abort was not counted")
+
+
+def test_non_streaming_disconnect_aborts(served):
+    wait_idle(served.engine)
+    aborted = metric(served.base_url, ABORTED)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=1.0))
+    wait_idle(served.engine)
+    eventually(lambda: metric(served.base_url, ABORTED) == aborted + 1, what="the abort was not counted")
+
+
+def test_all_blocks_returned(served):
+    wait_idle(served.engine)
+    assert served.engine.block_manager.num_free_blocks == served.engine.block_manager.num_blocks
+
+
+def test_long_prompt_joins_a_decoding_batch(served):
+    """A prompt longer than one decode step arrives while another request decodes: both
+    run in the same steps (a mixed prefill + decode batch) and both complete."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=60) as resp:
+        lines = filter(None, resp.iter_lines())
+        next(lines), next(lines)  # the first request is decoding now
+        chat = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+        rest = list(lines)
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens > 16
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"]
+    wait_idle(served.engine)
+
+
+# ---- a dead engine loop -----------------------------------------------------------------------
+
+class BrokenEngine:
+    """Takes requests, then fails on the first step."""
+
+    max_model_len = 64
+
+    def __init__(self):
+        self.has_unfinished = False
+
+    def tokenize(self, prompt) -> list[int]:
+        return [1, 2, 3]
+
+    def add_request(self, prompt, params, request_id):
+        self.has_unfinished = True
+        return request_id
+
+    def abort(self, request_id) -> bool:
+        return False
+
+    def step(self):
+        raise RuntimeError("boom")
+
+
+def test_dead_engine_loop_fails_requests_and_health():
+    async_engine = AsyncEngine(BrokenEngine())
+    with serving(build_app(async_engine, MODEL)) as base_url:
+        assert httpx.get(f"{base_url}/health").status_code == 200
+        first = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert first.status_code == 503 and "boom" in first.json()["error"]["message"]
+        assert httpx.get(f"{base_url}/health").status_code == 503
+        again = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT}, timeout=30)
+        assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
+
+
+def test_dead_engine_loop_ends_a_stream_with_an_error_event():
+    async_engine = AsyncEngine(BrokenEngine())
+    with serving(build_app(async_engine, MODEL)) as base_url:
+        body = {"messages": CHAT, "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30) as resp:
+            events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "boom" in json.loads(events[-2])["error"]["message"]
