@@ -73,8 +73,10 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"KV cache memory of {pool_bytes} bytes holds no block (one block is {per_block} bytes)")
         capacity = num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                                 capacity)
+        if mc.max_context_len < mc.max_position_embeddings:
+            log.warning("sliding window of %d tokens: max_model_len capped there (windowed attention is not "
+                        "implemented)", mc.max_context_len)
+        self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len, capacity)
         log.info("model %s (%s, %d layers) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); "
                  "max_model_len %d", config.model, mc.architecture, mc.num_layers, self.device, self.dtype,
                  num_blocks, config.block_size, capacity, num_blocks * per_block / 2**20, self.max_model_len)

