@@ -1,0 +1,80 @@
+"""Prometheus metrics of one server app: requests by finish reason (stop, length, abort,
+error), prompt and generated tokens, TTFT/TPOT/e2e latency histograms, and gauges of
+running/waiting sequences and used/free KV cache blocks.
+
+Each app has a registry of its own, so apps may share a process (the tests run several).
+"""
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.responses import Response
+
+from runtime.async_engine import EngineDeadError
+from runtime.engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The collectors of one app, updated as each request's outputs pass through `observe`.
+
+    The gauges read the engine's queues and block pool at scrape time from the event loop
+    thread; they are len() reads, atomic under the GIL, so a scrape never blocks a step.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("heterospec_requests", "Finished requests by finish reason "
+                                "(stop, length, abort, error)", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("heterospec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("heterospec_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("heterospec_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("heterospec_time_per_output_token_seconds", "Mean time per output token "
+                              "after the first", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("heterospec_e2e_request_latency_seconds", "Request latency from arrival "
+                             "to the last token", buckets=LATENCY_BUCKETS, registry=r)
+        self._gauge("heterospec_num_requests_running", "Sequences in the running batch",
+                    lambda: len(engine.scheduler.running))
+        self._gauge("heterospec_num_requests_waiting", "Sequences waiting to be scheduled",
+                    lambda: len(engine.scheduler.waiting))
+        self._gauge("heterospec_kv_cache_used_blocks", "KV cache blocks in use",
+                    lambda: engine.block_manager.num_used_blocks)
+        self._gauge("heterospec_kv_cache_free_blocks", "KV cache blocks free",
+                    lambda: engine.block_manager.num_free_blocks)
+
+    def _gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        Gauge(name, documentation, registry=self.registry).set_function(read)
+
+    # The /metrics endpoint, async so that it runs on the event loop (no docstring: FastAPI
+    # would publish it in the OpenAPI schema).
+    async def scrape(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def observe(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, counting tokens and timing it when it ends."""
+        reason = "abort"
+        try:
+            async with aclosing(outputs):
+                async for out in outputs:
+                    self.generation_tokens.inc(len(out.new_token_ids))
+                    if out.finished:
+                        reason = out.finish_reason or "stop"
+                        self._observe_finished(out)
+                    yield out
+        except EngineDeadError:
+            reason = "error"
+            raise
+        finally:
+            self.requests.labels(finish_reason=reason).inc()
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for histogram, seconds in ((self.ttft, m.ttft_s), (self.tpot, m.tpot_s), (self.e2e, m.e2e_s)):
+            if seconds is not None:
+                histogram.observe(seconds)
