@@ -1,0 +1,254 @@
+"""Offline batch generation from a JSONL file: `python -m runtime.generate`.
+
+    python -m runtime.generate --model smollm2-135m --input prompts.jsonl --output out.jsonl \\
+        --max-tokens 128 --temperature 0
+
+Each input line is a JSON object with either
+    "prompt":   a string (or a list of token ids), or
+    "messages": a list of chat messages ({"role": ..., "content": ...}), rendered with the
+                model's chat template,
+and optionally "max_tokens", "temperature", "top_p", "top_k", "seed" and "stop", which
+override the command-line flags for that line. Every other key (an "id", say) is copied
+to the output line, which adds
+    "text", "token_ids", "finish_reason" ("stop" | "length"), and
+    "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics).
+
+Outputs are written in input order. The file is generated in batches of --batch-size
+prompts, and each batch's results are flushed before the next batch is read, so a run
+that fails or is interrupted keeps everything it finished.
+
+A line that cannot be generated (invalid JSON or UTF-8, not an object, neither or both of
+"prompt" and "messages", an invalid sampling value, a key the output uses ("text",
+"token_ids", "finish_reason", "metrics"), an empty prompt or one too long for the
+model's context) is skipped: it gets no output line, it is reported on stderr as
+`INPUT:LINE: skipped: REASON`, and the run goes on with the rest. Blank lines are ignored.
+
+Exit status: 0 when every line was generated; 1 when some lines were skipped; 2 when
+nothing could run (missing input file or model, bad engine settings); 130 when
+interrupted (Ctrl-C) after writing the batches already finished.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.llm import LLM
+
+# Keys an input line may use to set its own sampling; they override the flags.
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+PROMPT_KEYS = ("prompt", "messages")
+OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
+
+EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EPILOG = """\
+input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
+              optionally with max_tokens, temperature, top_p, top_k, seed, stop (they
+              override the flags); other keys (e.g. "id") are copied to the output.
+output lines: the copied keys plus text, token_ids, finish_reason and metrics
+              (ttft_s, tpot_s, e2e_s, num_tokens, ...), in input order.
+bad lines:    invalid JSON, neither "prompt" nor "messages", invalid sampling values,
+              output keys in the input, prompts too long for the context: each is
+              reported on stderr as INPUT:LINE: skipped: REASON, gets no output line,
+              and the rest still run.
+exit status:  0 all lines generated; 1 some lines skipped; 2 nothing ran (missing
+              input or model, bad engine settings); 130 interrupted.
+"""
+
+
+class LineError(ValueError):
+    """Why one input line is skipped."""
+
+
+@dataclass(slots=True)
+class Job:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    carried: dict  # input keys copied to the output line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = SamplingParams()
+    p = argparse.ArgumentParser(
+        prog="python -m runtime.generate", description="Generate completions for every line of a JSONL file.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory (default: %(default)s)")
+    p.add_argument("--input", required=True, help="JSONL file of prompts")
+    p.add_argument("--output", required=True, help="JSONL file to write (overwritten)")
+    p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="default: %(default)s")
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=defaults.top_p, help="default: %(default)s (off)")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="default: %(default)s (off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the engine's sampler: the same file and flags give the same output. "
+                        "A line's own \"seed\" gives that request its own generator")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size: bytes, 2GiB, 500MB, or a fraction of free memory like 0.2")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="prompts generated together; each batch is written before the next is read "
+                        "(default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None, *, llm: LLM | None = None) -> int:
+    """Run the CLI; return the exit status. `llm`: an already-built engine to use instead
+    of loading one (tests, notebooks); the model and engine flags are then ignored."""
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        return _fail(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    input_path, output_path = Path(args.input), Path(args.output)
+    if not input_path.is_file():
+        return _fail(f"input file {str(input_path)!r} not found")
+    if output_path.exists() and output_path.resolve() == input_path.resolve():
+        return _fail("--output is the input file; it would be overwritten")
+    try:
+        defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k)
+    except ValueError as e:
+        return _fail(str(e))
+    if llm is None:
+        try:
+            llm = _load(args)
+        except (OSError, ValueError) as e:  # ModelNotFoundError is an OSError; bad settings a ValueError
+            return _fail(str(e))
+    try:
+        out = output_path.open("w", encoding="utf-8")
+    except OSError as e:
+        return _fail(f"cannot write {str(output_path)!r}: {e.strerror or e}")
+
+    num_written = num_skipped = 0
+    elapsed = 0.0
+    ttfts, tpots = [], []
+    num_tokens = 0
+    with out:
+        try:
+            for jobs, skipped in _batches(input_path, llm, defaults, args.batch_size):
+                num_skipped += skipped
+                if not jobs:
+                    continue
+                results = llm.generate([j.prompt_token_ids for j in jobs], [j.params for j in jobs])
+                for job, r in zip(jobs, results):
+                    record = {**job.carried, "text": r.text, "token_ids": r.token_ids,
+                              "finish_reason": r.finish_reason, "metrics": r.metrics.as_dict()}
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    ttfts.append(r.metrics.ttft_s)
+                    tpots.append(r.metrics.tpot_s)
+                    num_tokens += len(r.token_ids)
+                out.flush()
+                num_written += len(jobs)
+                elapsed += llm.last_summary.elapsed_s
+        except KeyboardInterrupt:
+            print(f"interrupted: {num_written} results were written to {output_path}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception:
+            print(f"failed: {num_written} results were written to {output_path}", file=sys.stderr)
+            raise
+
+    from runtime.llm import RunSummary
+    print(f"summary: {RunSummary(num_written, num_tokens, elapsed, _mean(ttfts), _mean(tpots))}", file=sys.stderr)
+    if num_skipped:
+        print(f"skipped {num_skipped} input line(s); see the messages above", file=sys.stderr)
+        return EXIT_SKIPPED
+    return EXIT_OK
+
+
+def _load(args) -> LLM:
+    from runtime.llm import LLM
+    from runtime.models.loader import resolve_model
+    resolve_model(args.model)  # a missing model fails here, before torch loads anything big
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+               seed=args.seed)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _batches(path: Path, llm: LLM, defaults: SamplingParams, size: int) -> Iterator[tuple[list[Job], int]]:
+    """Yield (up to `size` valid jobs, number of lines skipped among them), reading lazily;
+    each skipped line is reported on stderr as it is found."""
+    jobs, skipped = [], 0
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                jobs.append(parse_line(raw, llm, defaults))
+            except LineError as e:
+                print(f"{path}:{line_no}: skipped: {e}", file=sys.stderr)
+                skipped += 1
+                continue
+            if len(jobs) == size:
+                yield jobs, skipped
+                jobs, skipped = [], 0
+    yield jobs, skipped
+
+
+def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
+    """One input line -> a validated, tokenized Job; LineError says why it cannot run."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LineError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise LineError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise LineError(f"expected a JSON object, got {type(record).__name__}")
+    present = [k for k in PROMPT_KEYS if k in record]
+    if len(present) != 1:
+        raise LineError('needs exactly one of "prompt" and "messages"')
+    prompt = record["prompt"] if "prompt" in record else record["messages"]
+    if "prompt" in record and not (isinstance(prompt, str) or _is_token_ids(prompt)):
+        raise LineError('"prompt" must be a string or a list of token ids')
+    if "messages" in record and not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+        raise LineError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects')
+    reserved = [k for k in OUTPUT_KEYS if k in record]
+    if reserved:
+        raise LineError(f"key {reserved[0]!r} is reserved for the output")
+
+    overrides = {k: record[k] for k in SAMPLING_KEYS if k in record}
+    try:
+        params = dataclasses.replace(defaults, **overrides)
+        token_ids = llm.engine.tokenize(prompt)
+    except (TypeError, ValueError) as e:
+        raise LineError(str(e)) from None
+    limit = llm.engine.max_model_len
+    if not token_ids:
+        raise LineError("the prompt is empty after tokenization")
+    if len(token_ids) >= limit:
+        raise LineError(f"the prompt has {len(token_ids)} tokens; the model's context is {limit} tokens, "
+                        f"which leaves no room to generate")
+    carried = {k: v for k, v in record.items() if k not in PROMPT_KEYS and k not in SAMPLING_KEYS}
+    return Job(token_ids, params, carried)
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in value)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

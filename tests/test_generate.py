@@ -1,0 +1,105 @@
+"""`python -m runtime.generate`: JSONL in, JSONL out, bad lines skipped and reported.
+
+The greedy reference is `runtime.LLM.generate` on the same prompts and settings.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.generate import main
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+LINES = [
+    json.dumps({"prompt": "The quick brown fox"}),                                 # 1
+    json.dumps({"messages": MESSAGES}),                                            # 2
+    "",                                                                            # 3 blank: ignored
+    json.dumps({"id": "q-7", "prompt": "Once upon a time", "max_tokens": 4, "tags": ["a"]}),  # 4
+    '{"prompt": "unterminated',                                                    # 5 invalid JSON
+    json.dumps({"prompt": "Hello", "temperature": -1}),                            # 6 invalid temperature
+    json.dumps({"text": "neither prompt nor messages"}),                           # 7
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="smollm2-135m", dtype="float32", device="cpu", kv_cache_memory="128MiB")
+
+
+@pytest.fixture(scope="module")
+def run(llm, tmp_path_factory):
+    """Run the CLI once on LINES (two batches of two) and keep what it returned and printed."""
+    tmp = tmp_path_factory.mktemp("generate")
+    src, dst = tmp / "prompts.jsonl", tmp / "out.jsonl"
+    src.write_text("\n".join(LINES) + "\n")
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        code = main(["--input", str(src), "--output", str(dst), "--max-tokens", "8", "--temperature", "0",
+                     "--batch-size", "2", *ENGINE_ARGS], llm=llm)
+    outputs = [json.loads(line) for line in dst.read_text().splitlines()]
+    return code, outputs, stderr.getvalue(), src
+
+
+def test_outputs_in_input_order_with_carried_keys(run):
+    code, outputs, _, _ = run
+    assert len(outputs) == 3
+    first, second, third = outputs
+    assert set(first) == {"text", "token_ids", "finish_reason", "metrics"}
+    assert set(second) == set(first)
+    assert third["id"] == "q-7" and third["tags"] == ["a"]
+    assert "prompt" not in third and "max_tokens" not in third
+    for out in outputs:
+        assert {"ttft_s", "tpot_s", "e2e_s", "num_tokens"} <= set(out["metrics"])
+        assert out["metrics"]["num_tokens"] == len(out["token_ids"])
+        assert out["finish_reason"] in ("stop", "length")
+    assert len(first["token_ids"]) <= 8 and len(third["token_ids"]) <= 4  # the line's max_tokens wins
+
+
+def test_bad_lines_are_reported_by_line_number_and_exit_1(run):
+    code, _, stderr, src = run
+    assert code == 1
+    skipped = [line for line in stderr.splitlines() if ": skipped: " in line]
+    assert [line.split(": skipped: ")[0] for line in skipped] == [f"{src}:5", f"{src}:6", f"{src}:7"]
+    assert "invalid JSON" in skipped[0]
+    assert "temperature" in skipped[1]
+    assert "prompt" in skipped[2] and "messages" in skipped[2]
+    assert "summary: requests: 3" in stderr
+
+
+def test_greedy_text_matches_llm_generate(run, llm):
+    _, outputs, _, _ = run
+    prompts = ["The quick brown fox", MESSAGES, "Once upon a time"]
+    params = [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=0),
+              SamplingParams(max_tokens=4, temperature=0)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [r.token_ids for r in expected]
+    assert [o["text"] for o in outputs] == [r.text for r in expected]
+
+
+def test_missing_input_exits_2(tmp_path, capsys, llm):
+    code = main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "out.jsonl")], llm=llm)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "nope.jsonl" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_missing_model_exits_2_with_one_line(tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", "/nonexistent", "--input", str(src),
+                           "--output", str(tmp_path / "out.jsonl")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/nonexistent" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
