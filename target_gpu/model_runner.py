@@ -14,7 +14,6 @@ import torch
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
-from target_gpu.cpu_linear import pack_linears
 from target_gpu.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -29,8 +28,6 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache(config, num_blocks, block_size, model.dtype, device)
         self.attention = TorchAttentionBackend(self.kv_cache)
-        if device.type == "cpu" and model.dtype == torch.bfloat16:
-            log.info("packed %d bf16 linear layers for oneDNN", pack_linears(model))
 
     @torch.inference_mode()
     def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool],
