@@ -7,7 +7,6 @@ neither schedules nor samples.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
@@ -16,7 +15,6 @@ from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
 from target_gpu.kv_cache import KVCache
 
-log = logging.getLogger(__name__)
 
 
 class ModelRunner:
