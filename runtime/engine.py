@@ -106,16 +106,21 @@ class LLMEngine:
             return list(prompt)
         raise ValueError("a prompt is a non-empty string, a non-empty list of chat messages, or a list of token ids")
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; raise ValueError before anything is scheduled."""
-        params = params or SamplingParams()
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """Tokenize and check that the prompt leaves room to generate; ValueError says why not."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty after tokenization")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
                              f"tokens, which leaves no room to generate")
+        return token_ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; raise ValueError before anything is scheduled."""
+        params = params or SamplingParams()
+        token_ids = self.prompt_token_ids(prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

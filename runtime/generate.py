@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None, *, llm: LLM | None = None) -> int:
     except OSError as e:
         return _fail(f"cannot write {str(output_path)!r}: {e.strerror or e}")
 
-    num_written = num_skipped = 0
+    num_skipped = 0
     elapsed = 0.0
-    ttfts, tpots = [], []
-    num_tokens = 0
+    finished: list = []  # GenerationResults written so far, for the summary
     with out:
         try:
             for jobs, skipped in _batches(input_path, llm, defaults, args.batch_size):
@@ -147,21 +146,18 @@ def main(argv: list[str] | None = None, *, llm: LLM | None = None) -> int:
                     record = {**job.carried, "text": r.text, "token_ids": r.token_ids,
                               "finish_reason": r.finish_reason, "metrics": r.metrics.as_dict()}
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    ttfts.append(r.metrics.ttft_s)
-                    tpots.append(r.metrics.tpot_s)
-                    num_tokens += len(r.token_ids)
                 out.flush()
-                num_written += len(jobs)
+                finished += results
                 elapsed += llm.last_summary.elapsed_s
         except KeyboardInterrupt:
-            print(f"interrupted: {num_written} results were written to {output_path}", file=sys.stderr)
+            print(f"interrupted: {len(finished)} results were written to {output_path}", file=sys.stderr)
             return EXIT_INTERRUPTED
         except Exception:
-            print(f"failed: {num_written} results were written to {output_path}", file=sys.stderr)
+            print(f"failed: {len(finished)} results were written to {output_path}", file=sys.stderr)
             raise
 
     from runtime.llm import RunSummary
-    print(f"summary: {RunSummary(num_written, num_tokens, elapsed, _mean(ttfts), _mean(tpots))}", file=sys.stderr)
+    print(f"summary: {RunSummary.of(finished, elapsed)}", file=sys.stderr)
     if num_skipped:
         print(f"skipped {num_skipped} input line(s); see the messages above", file=sys.stderr)
         return EXIT_SKIPPED
@@ -227,15 +223,9 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     overrides = {k: record[k] for k in SAMPLING_KEYS if k in record}
     try:
         params = dataclasses.replace(defaults, **overrides)
-        token_ids = llm.engine.tokenize(prompt)
+        token_ids = llm.engine.prompt_token_ids(prompt)
     except (TypeError, ValueError) as e:
         raise LineError(str(e)) from None
-    limit = llm.engine.max_model_len
-    if not token_ids:
-        raise LineError("the prompt is empty after tokenization")
-    if len(token_ids) >= limit:
-        raise LineError(f"the prompt has {len(token_ids)} tokens; the model's context is {limit} tokens, "
-                        f"which leaves no room to generate")
     carried = {k: v for k, v in record.items() if k not in PROMPT_KEYS and k not in SAMPLING_KEYS}
     return Job(token_ids, params, carried)
 
@@ -243,11 +233,6 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
 def _is_token_ids(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in value)
-
-
-def _mean(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 if __name__ == "__main__":

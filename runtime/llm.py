@@ -35,6 +35,11 @@ class RunSummary:
     def output_tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @classmethod
+    def of(cls, results: list["GenerationResult"], elapsed_s: float) -> "RunSummary":
+        return cls(len(results), sum(len(r.token_ids) for r in results), elapsed_s,
+                   _mean(r.metrics.ttft_s for r in results), _mean(r.metrics.tpot_s for r in results))
+
     def __str__(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x * 1000:.1f} ms"  # noqa: E731
         return (f"requests: {self.num_requests}  output tokens: {self.num_output_tokens}  "
@@ -68,10 +73,9 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        for prompt in prompts:  # fail before scheduling anything
-            self._validate(prompt)
         engine = self.engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        token_ids = [engine.prompt_token_ids(p) for p in prompts]  # fail before scheduling anything
+        ids = [engine.add_request(t, sp) for t, sp in zip(token_ids, sampling_params)]
         finished = {}
         start = time.perf_counter()
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
@@ -89,12 +93,5 @@ class LLM:
         elapsed = time.perf_counter() - start
         results = [GenerationResult(p, finished[r].prompt_token_ids, finished[r].text, finished[r].token_ids,
                                     finished[r].finish_reason, finished[r].metrics) for p, r in zip(prompts, ids)]
-        self.last_summary = RunSummary(len(results), sum(len(r.token_ids) for r in results), elapsed,
-                                       _mean(r.metrics.ttft_s for r in results),
-                                       _mean(r.metrics.tpot_s for r in results))
+        self.last_summary = RunSummary.of(results, elapsed)
         return results
-
-    def _validate(self, prompt: Prompt) -> None:
-        n = len(self.engine.tokenize(prompt))
-        if n == 0 or n >= self.engine.max_model_len:
-            raise ValueError(f"a prompt has {n} tokens; it must have between 1 and {self.engine.max_model_len - 1}")
