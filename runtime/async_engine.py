@@ -12,7 +12,7 @@ comes back through a concurrent Future, so the caller sees it before any output.
 the thread sleeps on a Condition (no busy spin). If a step raises, every request in
 flight gets EngineDeadError and the loop stops for good (`is_dead`; /health says 503).
 
-`tokenize` runs on the caller's thread: LLMEngine.tokenize only reads the tokenizer and
+`prompt_token_ids` runs on the caller's thread: it only reads the tokenizer and
 the model config, and a fast tokenizer's encode and decode may run concurrently (both
 take shared borrows of the Rust tokenizer; only changing its truncation/padding would not).
 """
@@ -85,8 +85,9 @@ class AsyncEngine:
     def error(self) -> EngineDeadError | None:
         return self._error
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.engine.tokenize(prompt)
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The engine's validated tokenization (ValueError if the prompt cannot run)."""
+        return self.engine.prompt_token_ids(prompt)
 
     async def add_request(self, prompt: Prompt, params: SamplingParams,
                           request_id: str) -> AsyncIterator[RequestOutput]:

@@ -102,15 +102,9 @@ class OpenAIServer:
 
     def tokenize(self, prompt: Prompt, param: str) -> list[int]:
         try:
-            token_ids = self.engine.tokenize(prompt)
+            return self.engine.prompt_token_ids(prompt)
         except ValueError as e:
             raise ApiError(str(e), param) from None
-        if not token_ids:
-            raise ApiError("the prompt is empty after tokenization", param)
-        if len(token_ids) >= self.max_model_len:
-            raise ApiError(f"this model's maximum context length is {self.max_model_len} tokens, and the {param} "
-                           f"has {len(token_ids)} tokens, which leaves no room to generate", param)
-        return token_ids
 
     async def respond(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat) -> Response:
         last = None

@@ -339,7 +339,7 @@ class BrokenEngine:
     def __init__(self):
         self.has_unfinished = False
 
-    def tokenize(self, prompt) -> list[int]:
+    def prompt_token_ids(self, prompt) -> list[int]:
         return [1, 2, 3]
 
     def add_request(self, prompt, params, request_id):
