@@ -6,6 +6,11 @@ from dataclasses import dataclass
 import torch
 
 from runtime.models.loader import DEFAULT_MODEL
+from runtime.sampling_params import SPECULATORS, check_speculator
+from speculators import check_available
+
+# Draft nodes per step when --num-speculative-tokens is not given.
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8}
 
 
 def amx_available() -> bool:
@@ -26,6 +31,14 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: str | int | float | None = None  # bytes, "2GiB", or a fraction of free memory
     seed: int | None = None
+    # speculation (a request may override speculator and num_speculative_tokens)
+    speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
+    num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
+    speculative_tree_width: int = 1  # most children per draft node; 1 = chains
+    prompt_lookup_min: int = 1  # shortest suffix ngram/lookahead match on
+    prompt_lookup_max: int = 4  # longest
+    lookahead_global_nodes: int = 0  # node cap of the trie shared by all requests; 0 = off
+    adaptive_speculation: bool = True  # size drafts per step from measured acceptance and costs
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -38,6 +51,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        check_speculator(self.speculator)
+        check_available(self.speculator)
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_tree_width < 1:
+            raise ValueError(f"speculative_tree_width must be >= 1, got {self.speculative_tree_width}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+        if self.lookahead_global_nodes < 0:
+            raise ValueError(f"lookahead_global_nodes must be >= 0, got {self.lookahead_global_nodes}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -55,5 +79,42 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if device.type == "cuda" or amx_available() else "float32"
 
+    def speculative_tokens(self, speculator: str) -> int:
+        if speculator == "none":
+            return 0
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return DEFAULT_SPECULATIVE_TOKENS.get(speculator, 4)
+
     def kv_cache_default_fraction(self, device: torch.device) -> float:
         return 0.8 if device.type == "cuda" else 0.1
+
+
+def add_speculation_args(parser) -> None:
+    """The speculation flags, shared by runtime.serve and runtime.generate; each defaults to
+    None so that EngineConfig's default applies."""
+    d = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculator", choices=SPECULATORS,
+                   help=f"proposer of draft tokens (default: {d['speculator']}; draft, eagle and medusa are "
+                        "not available yet)")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   help="draft tokens (tree nodes) verified per sequence per step; default: "
+                        + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()))
+    g.add_argument("--speculative-tree-width", type=int,
+                   help=f"most children per draft node; 1 = chains, more = trees (default: "
+                        f"{d['speculative_tree_width']})")
+    g.add_argument("--prompt-lookup-min", type=int,
+                   help=f"ngram/lookahead: shortest suffix to match (default: {d['prompt_lookup_min']})")
+    g.add_argument("--prompt-lookup-max", type=int,
+                   help=f"ngram/lookahead: longest suffix to match (default: {d['prompt_lookup_max']})")
+    g.add_argument("--lookahead-global-nodes", type=int,
+                   help="lookahead: node cap of a trie shared by all requests (least recently used first "
+                        "out); 0 = off (default)")
+    g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
+                   help="always propose --num-speculative-tokens instead of sizing drafts from measured "
+                        "acceptance and step costs")
+
+
+SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min",
+                    "prompt_lookup_max", "lookahead_global_nodes", "adaptive_speculation")

@@ -1,9 +1,16 @@
 """The engine: requests in, tokens out, one scheduled step at a time.
 
-    step():  schedule -> (propose: nothing yet) -> run the target -> sample -> commit
+    step():  propose -> schedule -> verify on the target -> accept -> commit
 
-The engine is the only place that knows the scheduler, the target worker and the
-sampler together. It is not thread-safe: the server drives it from one loop thread.
+propose: each decoding sequence whose request speculates gets a draft tree from its
+proposer, sized by the SpeculationController; schedule: the scheduler fits the trees into
+the step's token budget and free blocks; verify: one target pass over every new token and
+tree node; accept: the rejection sampler keeps the accepted path plus one bonus or
+recovered token per sequence (plain decoding is the empty tree); commit: the accepted
+path's KV is moved into place, the rest of the reserved blocks are released, proposers
+hear what was kept. The engine is the only place that knows the scheduler, the target
+worker, the proposers and the sampler together. It is not thread-safe: the server drives
+it from one loop thread.
 """
 from __future__ import annotations
 
@@ -11,16 +18,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer, DetokenizerState, find_stop
 from runtime.models.loader import load_model
-from runtime.sampling import Sampler
+from runtime.rejection_sampler import RejectionSampler, Verdict
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import RequestMetrics, Sequence
+from runtime.speculation import SpeculationController
+from speculators import DraftTree, ProposalRequest, Proposer, build_proposer
 from target_gpu.kv_cache import bytes_per_block, parse_memory
 from target_gpu.model_runner import ModelRunner
 
@@ -52,6 +59,22 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
+    num_target_tokens: int = 0  # tokens the target ran (prompt chunks, decode tokens and draft nodes)
+    # speculation: draft tokens verified, accepted, verify steps, and what ended each verify step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    num_bonus_tokens: int = 0
+    num_recovered_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: verify steps that accepted depth d
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
 
 
 @dataclass(slots=True)
@@ -84,11 +107,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = RejectionSampler(config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, _RequestState] = {}
         self.stats = EngineStats()
         self._next_id = 0
+        self.proposers: dict[str, Proposer] = {}
+        self.spec_controller = SpeculationController(adaptive=config.adaptive_speculation)
+        if config.speculator != "none":
+            self._proposer(config.speculator)  # fail at start on a bad setting
+            log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
+                     config.speculative_tokens(config.speculator), config.speculative_tree_width,
+                     "adaptive" if config.adaptive_speculation else "fixed")
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -116,11 +146,18 @@ class LLMEngine:
                              f"tokens, which leaves no room to generate")
         return token_ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError when the request asks for what this engine cannot do (beyond what
+        SamplingParams checks by itself)."""
+        if params.speculator not in (None, "none"):
+            self._proposer(params.speculator)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raise ValueError before anything is scheduled."""
         params = params or SamplingParams()
         token_ids = self.prompt_token_ids(prompt)
+        self.check_params(params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -136,66 +173,186 @@ class LLMEngine:
         if state is None or state.seq.is_finished:
             return False
         self.scheduler.finish(state.seq, "abort")
+        self._release(state.seq)
         return True
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    # ---- speculation --------------------------------------------------------------------
+    def _proposer(self, name: str) -> Proposer:
+        proposer = self.proposers.get(name)
+        if proposer is None:
+            proposer = self.proposers[name] = build_proposer(name, self.config)
+        return proposer
+
+    def _speculator_of(self, seq: Sequence) -> tuple[str, int]:
+        """(speculator name, draft token cap) for seq this step; ("none", 0) when plain."""
+        params = seq.params
+        name = params.speculator or self.config.speculator
+        if name == "none":
+            return name, 0
+        cap = (params.num_speculative_tokens if params.num_speculative_tokens is not None
+               else self.config.speculative_tokens(name))
+        # the step emits accepted + 1 tokens: stay within max_tokens and the context
+        cap = min(cap, params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        return name, max(cap, 0)
+
+    def _propose(self) -> None:
+        """Give each decoding sequence of the running batch this step's draft tree."""
+        decoding, names, caps = [], [], []
+        for seq in self.scheduler.running:
+            seq.draft_tree = None
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            name, cap = self._speculator_of(seq)
+            if cap > 0:
+                decoding.append(seq)
+                names.append(name)
+                caps.append(cap)
+        if not decoding:
+            return
+        budgets = self.spec_controller.budgets([s.request_id for s in decoding], caps)
+        by_proposer: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, name, budget in zip(decoding, names, budgets):
+            if budget > 0:
+                by_proposer.setdefault(name, []).append((seq, budget))
+        width = self.config.speculative_tree_width
+        for name, group in by_proposer.items():
+            requests = [ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, budget, width,
+                                        seq.params, seq.generator) for seq, budget in group]
+            try:
+                trees = self._proposer(name).propose(requests)
+            except Exception:  # a failing proposer costs its drafts, never the step
+                log.exception("proposer %s failed; these sequences decode without drafts this step", name)
+                continue
+            for (seq, budget), tree in zip(group, trees):
+                if len(tree):
+                    seq.draft_tree = tree.truncated(budget)
+
+    def _release(self, seq: Sequence) -> None:
+        """seq has left for good: its proposer and the controller forget it."""
+        name = seq.params.speculator or self.config.speculator
+        if name in self.proposers:
+            self.proposers[name].release(seq.request_id)
+        self.spec_controller.release(seq.request_id)
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        self._propose()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
         if batch.is_empty:
             return []
+        trees = [seq.draft_tree.truncated(n) if n else _EMPTY_TREE
+                 for seq, n in zip(batch.seqs, batch.num_draft_tokens)]
         needs_logits = [seq.num_computed_tokens + n == seq.num_tokens
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits)  # [N, V]
-        sampled = [seq for seq, needed in zip(batch.seqs, needs_logits) if needed]
-        token_ids = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        return self._commit(batch, needs_logits, token_ids)
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees)  # [R, V]
+        sampled = [i for i, needed in enumerate(needs_logits) if needed]
+        verdicts = self.sampler(logits, [trees[i] for i in sampled], [batch.seqs[i].params for i in sampled],
+                                [batch.seqs[i].generator for i in sampled])
+        outputs = self._commit(batch, trees, needs_logits, verdicts)
+        prefilling = any(not needed or n > 1 for n, needed in zip(batch.num_new_tokens, needs_logits))
+        if not prefilling:
+            self.spec_controller.observe_step(batch.num_tokens, time.perf_counter() - start)
+        return outputs
 
-    def _commit(self, batch: ScheduledBatch, needs_logits: list[bool], token_ids: list[int]) -> list[RequestOutput]:
+    def _commit(self, batch: ScheduledBatch, trees: list[DraftTree], needs_logits: list[bool],
+                verdicts: list[Verdict]) -> list[RequestOutput]:
         outputs = []
-        sampled_tokens = iter(token_ids)
-        self.stats.num_steps += 1
-        for seq, n, needed in zip(batch.seqs, batch.num_new_tokens, needs_logits):
+        next_verdict = iter(verdicts)
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_target_tokens += batch.num_tokens
+        for seq, n, tree, needed in zip(batch.seqs, batch.num_new_tokens, trees, needs_logits):
+            seq.draft_tree = None
+            seq.metrics.num_target_forwards += 1
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             if not needed:
                 continue
-            token = next(sampled_tokens)
-            seq.append_token(token)
-            self.stats.num_generated_tokens += 1
-            outputs.append(self._advance(seq, token))
+            verdict = next(next_verdict)
+            if len(tree):
+                root = seq.num_computed_tokens - 1  # the root's position; node i was written at root + 1 + i
+                for depth, node in enumerate(verdict.accepted_nodes, start=1):
+                    if node != depth - 1:
+                        src_slots.append(self.block_manager.slot(seq, root + 1 + node))
+                        dst_slots.append(self.block_manager.slot(seq, root + depth))
+                seq.num_computed_tokens += len(verdict.accepted_nodes)
+                self._record_verification(seq, tree, verdict)
+            outputs.append(self._advance(seq, verdict.token_ids))
+            if not seq.is_finished:
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
+                if len(tree):
+                    self._proposer_of(seq).on_accepted(seq.request_id, seq.token_ids, len(verdict.accepted_nodes))
+        self.runner.commit_accepted(src_slots, dst_slots)
         return outputs
 
-    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
-        """Detokenize the new token, apply the stop conditions, and report."""
+    def _proposer_of(self, seq: Sequence) -> Proposer:
+        return self.proposers[seq.params.speculator or self.config.speculator]
+
+    def _record_verification(self, seq: Sequence, tree: DraftTree, verdict: Verdict) -> None:
+        num_accepted = len(verdict.accepted_nodes)
+        seq.metrics.record_verification(len(tree), num_accepted)
+        self.spec_controller.observe_verdict(seq.request_id, num_accepted, verdict.kind == "recovered")
+        stats = self.stats
+        stats.num_draft_tokens += len(tree)
+        stats.num_accepted_tokens += num_accepted
+        stats.num_verify_steps += 1
+        if verdict.kind == "bonus":
+            stats.num_bonus_tokens += 1
+        else:
+            stats.num_recovered_tokens += 1
+        per_position = stats.accepted_per_position
+        if len(per_position) < num_accepted:
+            per_position.extend([0] * (num_accepted - len(per_position)))
+        for depth in range(num_accepted):
+            per_position[depth] += 1
+
+    def _advance(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
+        """Append the step's tokens one by one (detokenize, apply the stop conditions) until
+        they run out or the request finishes; report what was appended."""
         state = self.requests[seq.request_id]
         params = seq.params
-        delta = self.detokenizer.delta(seq.output_token_ids, state.detok)
+        appended: list[int] = []
+        delta_text = ""
         reason = None
-        if delta and params.stop:
-            text = seq.output_text + delta
-            at = find_stop(text, len(delta), params.stop)
-            if at != -1:
-                stop = next(s for s in params.stop if text.startswith(s, at))
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                delta = text[len(seq.output_text):end] if end > len(seq.output_text) else ""
-                reason = "stop"
-        seq.output_text += delta
-        if reason is None:
-            if not params.ignore_eos and token in seq.eos_token_ids:
-                reason = "stop"
-            elif token in params.stop_token_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
-            self.stats.num_finished += 1
+        for token in token_ids:
+            seq.append_token(token)
+            appended.append(token)
+            self.stats.num_generated_tokens += 1
+            delta = self.detokenizer.delta(seq.output_token_ids, state.detok)
+            if delta and params.stop:
+                text = seq.output_text + delta
+                at = find_stop(text, len(delta), params.stop)
+                if at != -1:
+                    stop = next(s for s in params.stop if text.startswith(s, at))
+                    end = at + len(stop) if params.include_stop_str_in_output else at
+                    delta = text[len(seq.output_text):end] if end > len(seq.output_text) else ""
+                    reason = "stop"
+            seq.output_text += delta
+            delta_text += delta
+            if reason is None:
+                if not params.ignore_eos and token in seq.eos_token_ids:
+                    reason = "stop"
+                elif token in params.stop_token_ids:
+                    reason = "stop"
+                elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+                self._release(seq)
+                self.stats.num_finished += 1
+                break
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.output_text,
-                             [token], delta, reason is not None, reason, seq.metrics)
+                             appended, delta_text, reason is not None, reason, seq.metrics)
+
+
+_EMPTY_TREE = DraftTree([], [])

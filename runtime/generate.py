@@ -7,8 +7,9 @@ Each input line is a JSON object with either
     "prompt":   a string (or a list of token ids), or
     "messages": a list of chat messages ({"role": ..., "content": ...}), rendered with the
                 model's chat template,
-and optionally "max_tokens", "temperature", "top_p", "top_k", "seed" and "stop", which
-override the command-line flags for that line. Every other key (an "id", say) is copied
+and optionally "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+"speculator" and "num_speculative_tokens", which override the command-line flags for
+that line. Every other key (an "id", say) is copied
 to the output line, which adds
     "text", "token_ids", "finish_reason" ("stop" | "length"), and
     "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics).
@@ -38,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from runtime.config import SPECULATION_ARGS, add_speculation_args
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.llm import LLM
 
 # Keys an input line may use to set its own sampling; they override the flags.
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculator",
+                 "num_speculative_tokens")
 PROMPT_KEYS = ("prompt", "messages")
 OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
 
@@ -52,8 +55,9 @@ EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
-              optionally with max_tokens, temperature, top_p, top_k, seed, stop (they
-              override the flags); other keys (e.g. "id") are copied to the output.
+              optionally with max_tokens, temperature, top_p, top_k, seed, stop,
+              speculator, num_speculative_tokens (they override the flags); other keys
+              (e.g. "id") are copied to the output.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
               (ttft_s, tpot_s, e2e_s, num_tokens, ...), in input order.
 bad lines:    invalid JSON, neither "prompt" nor "messages", invalid sampling values,
@@ -101,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256,
                    help="prompts generated together; each batch is written before the next is read "
                         "(default: %(default)s)")
+    add_speculation_args(p)
     return p
 
 
@@ -168,9 +173,10 @@ def _load(args) -> LLM:
     from runtime.llm import LLM
     from runtime.models.loader import resolve_model
     resolve_model(args.model)  # a missing model fails here, before torch loads anything big
+    speculation = {name: getattr(args, name) for name in SPECULATION_ARGS if getattr(args, name) is not None}
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               seed=args.seed)
+               seed=args.seed, **speculation)
 
 
 def _fail(message: str) -> int:
@@ -223,6 +229,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     overrides = {k: record[k] for k in SAMPLING_KEYS if k in record}
     try:
         params = dataclasses.replace(defaults, **overrides)
+        llm.engine.check_params(params)
         token_ids = llm.engine.prompt_token_ids(prompt)
     except (TypeError, ValueError) as e:
         raise LineError(str(e)) from None

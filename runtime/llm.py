@@ -30,6 +30,9 @@ class RunSummary:
     elapsed_s: float
     mean_ttft_s: float | None
     mean_tpot_s: float | None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -38,13 +41,21 @@ class RunSummary:
     @classmethod
     def of(cls, results: list["GenerationResult"], elapsed_s: float) -> "RunSummary":
         return cls(len(results), sum(len(r.token_ids) for r in results), elapsed_s,
-                   _mean(r.metrics.ttft_s for r in results), _mean(r.metrics.tpot_s for r in results))
+                   _mean(r.metrics.ttft_s for r in results), _mean(r.metrics.tpot_s for r in results),
+                   sum(r.metrics.num_draft_tokens for r in results),
+                   sum(r.metrics.num_accepted_tokens for r in results),
+                   sum(r.metrics.num_verify_steps for r in results))
 
     def __str__(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x * 1000:.1f} ms"  # noqa: E731
-        return (f"requests: {self.num_requests}  output tokens: {self.num_output_tokens}  "
+        text = (f"requests: {self.num_requests}  output tokens: {self.num_output_tokens}  "
                 f"throughput: {self.output_tokens_per_s:.1f} tok/s  mean TTFT: {fmt(self.mean_ttft_s)}  "
                 f"mean TPOT: {fmt(self.mean_tpot_s)}")
+        if self.num_verify_steps:
+            text += (f"  draft tokens: {self.num_draft_tokens}  acceptance rate: "
+                     f"{self.num_accepted_tokens / max(self.num_draft_tokens, 1):.2f}  mean acceptance length: "
+                     f"{1 + self.num_accepted_tokens / self.num_verify_steps:.2f}")
+        return text
 
 
 def _mean(values) -> float | None:
@@ -54,7 +65,10 @@ def _mean(values) -> float | None:
 
 class LLM:
     """Offline engine. Keyword arguments are EngineConfig fields (model, dtype, device,
-    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory, seed)."""
+    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory, seed,
+    and the speculation settings: speculator, num_speculative_tokens,
+    speculative_tree_width, prompt_lookup_min, prompt_lookup_max, lookahead_global_nodes,
+    adaptive_speculation), e.g. LLM(speculator="lookahead", num_speculative_tokens=8)."""
 
     def __init__(self, model: str | None = None, **kwargs):
         if model is not None:

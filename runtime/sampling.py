@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p (Holtzman et al. 2019), per-request seeds.
 
 `target_probs` turns logits into the distribution a request samples from (after its
-temperature, top-k and top-p); the speculative rejection sampler reuses it so that
-acceptance is measured against exactly that distribution.
+temperature, top-k and top-p). runtime.rejection_sampler draws every emitted token from
+it (plain decoding is verification of an empty draft tree), so acceptance is measured
+against exactly that distribution.
 """
 from __future__ import annotations
 
@@ -44,30 +45,3 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
-
-
-def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None],
-                default_generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of probs [N, V], each row drawn with its own generator -> [N]."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    for i, gen in enumerate(generators):
-        row = probs[i].cpu() if gen is not None else probs[i]
-        out[i] = torch.multinomial(row, 1, generator=gen or default_generator).item()
-    return out
-
-
-class Sampler:
-    def __init__(self, seed: int | None = None):
-        self.generator = torch.Generator()
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
-
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits [N, V] -> one token id per row."""
-        if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
-        probs = target_probs(logits.float(), params).cpu()
-        return sample_from(probs, generators, self.generator).tolist()

@@ -3,6 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Proposer names (speculators/); "none" is plain decoding.
+SPECULATORS = ("none", "ngram", "lookahead", "draft", "eagle", "medusa")
+
+
+def check_speculator(name: str) -> None:
+    if name not in SPECULATORS:
+        raise ValueError(f"unknown speculator {name!r}; choose one of {', '.join(SPECULATORS)}")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -22,6 +30,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # speculation for this request; None = the engine's setting, "none" or 0 tokens = off
+    speculator: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +55,12 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.speculator is not None:
+            check_speculator(self.speculator)
+        if self.num_speculative_tokens is not None and (
+                not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
+                or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:

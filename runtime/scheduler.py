@@ -2,8 +2,10 @@
 
 Every step: the running sequences first, in arrival order, each gets what it has not
 computed yet (one token when decoding, the next chunk of a long prompt when prefilling),
-within `max_num_batched_tokens`; then waiting sequences join, first come first served,
-while the budget, `max_num_seqs` and the KV pool allow. When the pool runs out, the
+within `max_num_batched_tokens`; then the draft trees of decoding sequences get what
+budget and free blocks are left (a tree is cut to fit, never a reason to preempt); then
+waiting sequences join, first come first served, while the budget, `max_num_seqs` and the
+KV pool allow. When the pool runs out, the
 newest running sequence is preempted by recomputation: its blocks are freed and it goes
 back to the front of the queue with its tokens, to be prefilled again later. Nothing is
 dropped, and the engine never crashes for lack of blocks.
@@ -20,7 +22,8 @@ from runtime.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs
+    num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs: the sequence's own tokens
+    num_draft_tokens: list[int] = field(default_factory=list)  # parallel to seqs: draft nodes to verify
     num_preempted: int = 0
 
     @property
@@ -29,7 +32,12 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(self.num_new_tokens) + sum(self.num_draft_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.num_draft_tokens.append(0)
 
 
 class Scheduler:
@@ -62,10 +70,10 @@ class Scheduler:
                     break
             else:
                 self.block_manager.may_append(seq, num_new)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
+                batch.add(seq, num_new)
                 budget -= num_new
                 i += 1
+        budget = self._schedule_drafts(batch, budget)
         while (self.waiting and budget > 0 and not batch.num_preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -76,14 +84,30 @@ class Scheduler:
             self.block_manager.may_append(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.add(seq, num_new)
             budget -= num_new
         return batch
+
+    def _schedule_drafts(self, batch: ScheduledBatch, budget: int) -> int:
+        """Give decoding sequences room for their draft trees (seq.draft_tree) from what is
+        left; return the budget left after them."""
+        for i, seq in enumerate(batch.seqs):
+            tree = seq.draft_tree
+            if not tree or seq.num_uncomputed_tokens != batch.num_new_tokens[i] or budget <= 0:
+                continue
+            num_draft = min(len(tree), budget)
+            while num_draft and not self.block_manager.can_allocate(seq, batch.num_new_tokens[i] + num_draft):
+                num_draft -= 1
+            if num_draft:
+                self.block_manager.may_append(seq, batch.num_new_tokens[i] + num_draft)
+                batch.num_draft_tokens[i] = num_draft
+                budget -= num_draft
+        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_tree = None
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)

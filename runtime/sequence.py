@@ -5,10 +5,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from speculators.tree import DraftTree
 
 
 class SequenceStatus(enum.Enum):
@@ -27,6 +31,13 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_tokens: int = 0  # output tokens
     num_preemptions: int = 0
+    # speculation (ARCHITECTURE.md, Metrics): draft tokens verified, of which accepted,
+    # in how many verify steps (steps with a draft), and accepted counts by draft depth
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: steps that accepted depth d
+    num_target_forwards: int = 0  # target passes this request took part in (prefill chunks included)
 
     @property
     def ttft_s(self) -> float | None:
@@ -42,10 +53,36 @@ class RequestMetrics:
             return None
         return (self.finished_time - self.first_token_time) / (self.num_tokens - 1)
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step: 1 + accepted / verify steps."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
+
+    @property
+    def forwards_per_token(self) -> float | None:
+        return self.num_target_forwards / self.num_tokens if self.num_tokens else None
+
+    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_verify_steps += 1
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for depth in range(num_accepted):
+            self.accepted_per_position[depth] += 1
+
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s,
                 "num_tokens": self.num_tokens, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "num_verify_steps": self.num_verify_steps,
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
+                "accepted_per_position": list(self.accepted_per_position),
+                "num_target_forwards": self.num_target_forwards}
 
 
 _seq_counter = itertools.count()
@@ -72,6 +109,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_text: str = ""
     generator: torch.Generator | None = None
+    draft_tree: DraftTree | None = None  # this step's proposal, set by the engine before scheduling
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self) -> None:

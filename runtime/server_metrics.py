@@ -1,6 +1,8 @@
 """Prometheus metrics of one server app: requests by finish reason (stop, length, abort,
-error), prompt and generated tokens, TTFT/TPOT/e2e latency histograms, and gauges of
-running/waiting sequences and used/free KV cache blocks.
+error), prompt and generated tokens, TTFT/TPOT/e2e latency histograms, gauges of
+running/waiting sequences and used/free KV cache blocks, and the engine's speculation
+counters (draft tokens verified, accepted, verify steps, bonus/recovered tokens, accepted
+per draft position, target forward passes).
 
 Each app has a registry of its own, so apps may share a process (the tests run several).
 """
@@ -10,6 +12,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.responses import Response
 
 from runtime.async_engine import EngineDeadError
@@ -46,6 +49,7 @@ class ServerMetrics:
                     lambda: engine.block_manager.num_used_blocks)
         self._gauge("heterospec_kv_cache_free_blocks", "KV cache blocks free",
                     lambda: engine.block_manager.num_free_blocks)
+        r.register(_SpeculationCollector(engine))
 
     def _gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         Gauge(name, documentation, registry=self.registry).set_function(read)
@@ -78,3 +82,32 @@ class ServerMetrics:
         for histogram, seconds in ((self.ttft, m.ttft_s), (self.tpot, m.tpot_s), (self.e2e, m.e2e_s)):
             if seconds is not None:
                 histogram.observe(seconds)
+
+
+class _SpeculationCollector:
+    """The engine's speculation counters (EngineStats), read at scrape time. Acceptance
+    rate = accepted / draft tokens; mean acceptance length = 1 + accepted / verify steps;
+    target forward passes per output token = steps / generated tokens."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats
+        for name, documentation, value in (
+                ("heterospec_spec_draft_tokens", "Draft tokens verified by the target", stats.num_draft_tokens),
+                ("heterospec_spec_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens),
+                ("heterospec_spec_verify_steps", "Sequence steps that verified a draft", stats.num_verify_steps),
+                ("heterospec_spec_bonus_tokens", "Verify steps whose whole path was accepted (bonus token)",
+                 stats.num_bonus_tokens),
+                ("heterospec_spec_recovered_tokens", "Verify steps ended by a rejection (recovered token)",
+                 stats.num_recovered_tokens),
+                ("heterospec_target_forward_passes", "Target model forward passes (engine steps)", stats.num_steps),
+                ("heterospec_target_tokens", "Tokens the target ran, draft nodes included",
+                 stats.num_target_tokens)):
+            yield CounterMetricFamily(name, documentation, value=value)
+        per_position = CounterMetricFamily("heterospec_spec_accepted_per_position",
+                                           "Verify steps that accepted a draft token at this depth", labels=["position"])
+        for depth, count in enumerate(list(stats.accepted_per_position), start=1):
+            per_position.add_metric([str(depth)], count)
+        yield per_position

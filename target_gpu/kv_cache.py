@@ -53,3 +53,9 @@ class KVCache:
         self.block_size = block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V of slots src [N] -> slots dst [N], every layer (src is read before dst is written)."""
+        for cache in (*self.k, *self.v):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
+            flat.index_copy_(0, dst, flat.index_select(0, src))

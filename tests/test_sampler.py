@@ -8,8 +8,20 @@ import math
 import pytest
 import torch
 
-from runtime.sampling import Sampler, apply_top_k_top_p, sample_from, target_probs
+from runtime.rejection_sampler import RejectionSampler
+from runtime.sampling import apply_top_k_top_p, target_probs
 from runtime.sampling_params import SamplingParams
+from speculators.tree import DraftTree
+
+EMPTY = DraftTree([], [])
+
+
+def plain_tokens(logits, params, generators, seed=0) -> list[int]:
+    """Plain decoding: every row verifies an empty draft tree."""
+    verdicts = RejectionSampler(seed)(logits, [EMPTY] * len(params), params, generators)
+    assert all(v.kind == "plain" and not v.accepted_nodes for v in verdicts)
+    return [v.next_token_id for v in verdicts]
+
 
 # chi-square quantiles at p = 0.999, by degrees of freedom (a wrong sampler lands far above)
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
@@ -65,10 +77,10 @@ def test_top_k_one_is_argmax_and_large_k_keeps_all():
 def test_greedy_is_argmax():
     logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(2))
     greedy = SamplingParams(temperature=0.0)
-    assert Sampler(seed=0)(logits, [greedy] * 16, [None] * 16) == logits.argmax(-1).tolist()
+    assert plain_tokens(logits, [greedy] * 16, [None] * 16) == logits.argmax(-1).tolist()
     # greedy rows stay argmax when the batch also samples
     params = [greedy if i % 2 else SamplingParams(temperature=1.0) for i in range(16)]
-    tokens = Sampler(seed=0)(logits, params, [None] * 16)
+    tokens = plain_tokens(logits, params, [None] * 16)
     assert tokens[1::2] == logits[1::2].argmax(-1).tolist()
     probs = target_probs(logits, params)
     assert torch.equal(probs[1::2], torch.nn.functional.one_hot(logits[1::2].argmax(-1), 1000).float())
@@ -95,11 +107,11 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[floa
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.5, 0, 1.0),
                                                         (1.3, 5, 1.0), (1.0, 0, 0.8), (1.2, 6, 0.9)])
 def test_sampled_distribution_matches_the_target(temperature, top_k, top_p):
-    """20k draws through the Sampler against softmax(logits / T) restricted to what top-k/top-p
+    """20k draws through the sampler against softmax(logits / T) restricted to what top-k/top-p
     keep (computed here by reference_kept), renormalised."""
     n = 20_000
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * n
-    tokens = Sampler(seed=1234)(LOGITS.expand(n, -1).clone(), params, [None] * n)
+    tokens = plain_tokens(LOGITS.expand(n, -1).clone(), params, [None] * n, seed=1234)
     counts = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double()
     kept = sorted(reference_kept(LOGITS / temperature, top_k, top_p))
     expected = torch.zeros(len(LOGITS), dtype=torch.float64)
@@ -112,11 +124,14 @@ def test_sampled_distribution_matches_the_target(temperature, top_k, top_p):
 
 
 def test_per_row_generators_are_reproducible_and_independent():
-    probs = (LOGITS / 0.8).softmax(-1).expand(6, -1).contiguous()
+    logits = (LOGITS / 0.8).expand(6, -1).contiguous()
+    params = [SamplingParams(temperature=1.0)] * 6
 
     def draw(seeds):
         gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        return [sample_from(probs[:len(seeds)], gens, torch.Generator().manual_seed(99)).tolist() for _ in range(20)]
+        sampler = RejectionSampler(seed=99)
+        n = len(seeds)
+        return [[v.next_token_id for v in sampler(logits[:n], [EMPTY] * n, params[:n], gens)] for _ in range(20)]
 
     runs = [list(zip(*draw(seeds))) for seeds in ([5, None, 6], [5, 7, 6], [5, None, 6])]
     assert runs[0][0] == runs[1][0] == runs[2][0]  # seed 5, whatever its neighbours

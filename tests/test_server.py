@@ -1,7 +1,9 @@
 """The OpenAI-compatible server end to end: real HTTP on 127.0.0.1, the real `openai` client.
 
-One float32 engine serves the whole module (uvicorn in a background thread). The greedy
-references come from that same engine, run directly before the server takes it over.
+One float32 engine serves the whole module (uvicorn in a background thread); it speculates
+with the Lookahead Cache, so every test also runs steps that emit several tokens. The
+greedy references come from that same engine, run directly before the server takes it
+over without speculation.
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ METRIC_NAMES = ("heterospec_requests_total", "heterospec_generation_tokens_total
                 "heterospec_time_to_first_token_seconds", "heterospec_time_per_output_token_seconds",
                 "heterospec_e2e_request_latency_seconds", "heterospec_num_requests_running",
                 "heterospec_num_requests_waiting", "heterospec_kv_cache_used_blocks",
-                "heterospec_kv_cache_free_blocks")
+                "heterospec_kv_cache_free_blocks", "heterospec_spec_draft_tokens_total",
+                "heterospec_spec_accepted_tokens_total", "heterospec_spec_verify_steps_total",
+                "heterospec_spec_accepted_per_position_total", "heterospec_target_forward_passes_total")
 ABORTED = 'heterospec_requests_total{finish_reason="abort"}'
 
 
@@ -83,8 +87,9 @@ def serving(app):
 
 @pytest.fixture(scope="module")
 def served():
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8))
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8,
+                                    speculator="lookahead"))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, speculator="none")
     completion_ref = run_directly(engine, PROMPT, greedy)
     chat_ref = run_directly(engine, CHAT, greedy)
     async_engine = AsyncEngine(engine)
@@ -223,6 +228,18 @@ def test_metrics_names(served):
     for name in METRIC_NAMES:
         assert name in resp.text, name
     assert metric(served.base_url, "heterospec_generation_tokens_total") >= 2
+
+
+def test_speculation_counters(served):
+    before = {name: metric(served.base_url, f"heterospec_spec_{name}_total")
+              for name in ("draft_tokens", "accepted_tokens", "verify_steps")}
+    copy = "Repeat exactly: one two three four five six seven eight nine ten. Again: one two three"
+    served.client.completions.create(model=MODEL, prompt=copy, max_tokens=24, temperature=0)
+    after = {name: metric(served.base_url, f"heterospec_spec_{name}_total") for name in before}
+    assert after["verify_steps"] > before["verify_steps"]
+    assert after["draft_tokens"] > before["draft_tokens"] and after["accepted_tokens"] > before["accepted_tokens"]
+    first = metric(served.base_url, 'heterospec_spec_accepted_per_position_total{position="1"}')
+    assert 0 < first <= after["verify_steps"]
 
 
 # ---- bad input: always a 400 with OpenAI's error body ------------------------------------------

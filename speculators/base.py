@@ -1,0 +1,47 @@
+"""The one interface every proposer implements.
+
+Each step the engine hands a proposer the decoding sequences it serves, with a node
+budget per sequence (chosen by the engine from measured acceptance and costs), and gets
+back one DraftTree per sequence (empty = nothing to propose). After verification the
+proposer hears what was kept through `on_accepted` (to roll back draft KV or update its
+caches), and `release` when a sequence leaves for good.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+from speculators.tree import DraftTree
+
+
+@dataclass(slots=True)
+class ProposalRequest:
+    request_id: str
+    token_ids: list[int]  # prompt + output so far (the engine's list: read it, never change it)
+    num_prompt_tokens: int
+    max_nodes: int  # node budget for this step (>= 1)
+    tree_width: int  # most children per node; 1 = chains only
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the request's own, for sampled drafting
+    last_logits: torch.Tensor | None = None  # [V] the target's logits for the last token, when asked
+    last_hidden: torch.Tensor | None = None  # [H] the target's hidden state there, when asked
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+    needs_logits = False  # whether ProposalRequest.last_logits must be filled
+    needs_hidden_states = False
+
+    @abstractmethod
+    def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
+        """One tree per request, at most request.max_nodes nodes, at most tree_width children a node."""
+
+    def on_accepted(self, request_id: str, token_ids: list[int], num_accepted: int) -> None:
+        """The last verification kept num_accepted draft tokens; token_ids now ends with
+        them plus the target's bonus or recovered token."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or failed: drop what is kept for it."""
