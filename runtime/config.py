@@ -9,8 +9,11 @@ from runtime.models.loader import DEFAULT_MODEL
 from runtime.sampling_params import SPECULATORS, check_speculator
 from speculators import check_available
 
-# Draft nodes per step when --num-speculative-tokens is not given.
+# Draft nodes per step when --num-speculative-tokens is not given, and tree width when
+# --speculative-tree-width is not (lookahead: extra nodes cost little to verify, and on the
+# input-grounded benchmark trees of width 3 beat chains, 2.65x against 1.99x plain decode).
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8}
+DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3}
 
 
 def amx_available() -> bool:
@@ -34,7 +37,7 @@ class EngineConfig:
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
-    speculative_tree_width: int = 1  # most children per draft node; 1 = chains
+    speculative_tree_width: int | None = None  # most children per draft node; 1 = chains; None: the speculator's default
     prompt_lookup_min: int = 1  # shortest suffix ngram/lookahead match on
     prompt_lookup_max: int = 4  # longest
     lookahead_global_nodes: int = 0  # node cap of the trie shared by all requests; 0 = off
@@ -55,7 +58,7 @@ class EngineConfig:
         check_available(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.speculative_tree_width < 1:
+        if self.speculative_tree_width is not None and self.speculative_tree_width < 1:
             raise ValueError(f"speculative_tree_width must be >= 1, got {self.speculative_tree_width}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
@@ -86,6 +89,11 @@ class EngineConfig:
             return self.num_speculative_tokens
         return DEFAULT_SPECULATIVE_TOKENS.get(speculator, 4)
 
+    def tree_width(self, speculator: str) -> int:
+        if self.speculative_tree_width is not None:
+            return self.speculative_tree_width
+        return DEFAULT_TREE_WIDTH.get(speculator, 1)
+
     def kv_cache_default_fraction(self, device: torch.device) -> float:
         return 0.8 if device.type == "cuda" else 0.1
 
@@ -102,8 +110,8 @@ def add_speculation_args(parser) -> None:
                    help="draft tokens (tree nodes) verified per sequence per step; default: "
                         + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()))
     g.add_argument("--speculative-tree-width", type=int,
-                   help=f"most children per draft node; 1 = chains, more = trees (default: "
-                        f"{d['speculative_tree_width']})")
+                   help="most children per draft node; 1 = chains, more = trees; default: "
+                        + ", ".join(f"{w} for {n}" for n, w in DEFAULT_TREE_WIDTH.items()))
     g.add_argument("--prompt-lookup-min", type=int,
                    help=f"ngram/lookahead: shortest suffix to match (default: {d['prompt_lookup_min']})")
     g.add_argument("--prompt-lookup-max", type=int,

@@ -117,7 +117,7 @@ class LLMEngine:
         if config.speculator != "none":
             self._proposer(config.speculator)  # fail at start on a bad setting
             log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
-                     config.speculative_tokens(config.speculator), config.speculative_tree_width,
+                     config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
                      "adaptive" if config.adaptive_speculation else "fixed")
 
     # ---- requests -----------------------------------------------------------------------
@@ -218,10 +218,11 @@ class LLMEngine:
         for seq, name, budget in zip(decoding, names, budgets):
             if budget > 0:
                 by_proposer.setdefault(name, []).append((seq, budget))
-        width = self.config.speculative_tree_width
         for name, group in by_proposer.items():
+            width = self.config.tree_width(name)
             requests = [ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, budget, width,
-                                        seq.params, seq.generator) for seq, budget in group]
+                                        seq.params, seq.generator, seq.last_logits, seq.last_hidden)
+                        for seq, budget in group]
             try:
                 trees = self._proposer(name).propose(requests)
             except Exception:  # a failing proposer costs its drafts, never the step
@@ -250,15 +251,34 @@ class LLMEngine:
                  for seq, n in zip(batch.seqs, batch.num_draft_tokens)]
         needs_logits = [seq.num_computed_tokens + n == seq.num_tokens
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees)  # [R, V]
+        want_hidden = any(p.needs_hidden_states for p in self.proposers.values())
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees,
+                                     return_hidden=want_hidden)  # [R, V] (, [R, H])
+        logits, hidden = logits if want_hidden else (logits, None)
         sampled = [i for i, needed in enumerate(needs_logits) if needed]
         verdicts = self.sampler(logits, [trees[i] for i in sampled], [batch.seqs[i].params for i in sampled],
                                 [batch.seqs[i].generator for i in sampled])
+        if want_hidden or any(p.needs_logits for p in self.proposers.values()):
+            self._keep_last_outputs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts,
+                                    logits, hidden)
         outputs = self._commit(batch, trees, needs_logits, verdicts)
         prefilling = any(not needed or n > 1 for n, needed in zip(batch.num_new_tokens, needs_logits))
         if not prefilling:
-            self.spec_controller.observe_step(batch.num_tokens, time.perf_counter() - start)
+            self.spec_controller.observe_step(batch.num_tokens, time.perf_counter() - start,
+                                              has_drafts=any(batch.num_draft_tokens))
         return outputs
+
+    @staticmethod
+    def _keep_last_outputs(seqs: list[Sequence], trees: list[DraftTree], verdicts: list[Verdict],
+                           logits, hidden) -> None:
+        """Keep each sequence's target logits (and hidden state) at its last kept token, the
+        row that produced the bonus or recovered token, for the next proposal."""
+        row_start = 0
+        for seq, tree, verdict in zip(seqs, trees, verdicts):
+            row = row_start + (1 + verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0)
+            seq.last_logits = logits[row].clone()
+            seq.last_hidden = None if hidden is None else hidden[row].clone()
+            row_start += 1 + len(tree)
 
     def _commit(self, batch: ScheduledBatch, trees: list[DraftTree], needs_logits: list[bool],
                 verdicts: list[Verdict]) -> list[RequestOutput]:

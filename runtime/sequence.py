@@ -110,6 +110,9 @@ class Sequence:
     output_text: str = ""
     generator: torch.Generator | None = None
     draft_tree: DraftTree | None = None  # this step's proposal, set by the engine before scheduling
+    # the target's output for the last token, kept only when a proposer asks for it
+    last_logits: torch.Tensor | None = None  # [V]
+    last_hidden: torch.Tensor | None = None  # [H]
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self) -> None:

@@ -7,14 +7,22 @@ Two things are measured as the engine runs:
   - the step time as a + b * tokens (StepCostModel), fitted online on steps without
     prefill, forgetting old steps, so b is the marginal cost of one more verified token
     in the current regime (nearly free when memory-bound, a full token's compute when
-    the batch is large).
+    the batch is large). Steps with and without drafts get separate fits: on a CPU the
+    first extra token of a step costs far more than the next ones (measured here with
+    SmolLM2 in bf16: 1 token 48 ms, 2 tokens 58 ms, 16 tokens 62 ms, as oneDNN leaves
+    its matrix-vector kernel), which one line through both would hide.
 
 A sequence's j-th draft token (a chain, or the j-th node of a tree) adds a^j expected
-tokens. Draft tokens are handed out greedily by that gain while it beats the step's
-current throughput: adding gain g at cost b raises tokens / time iff g / b > E / t.
-So drafts are long when acceptance is high and verification is cheap, shrink as the
-batch grows, and stop for a sequence whose drafts keep missing; such a sequence gets a
-one-token probe every `probe_interval` steps so that its estimate can recover.
+tokens. All draft tokens of the step are ordered by that gain, and the step takes the
+prefix of that order that maximises expected tokens per predicted second (none at all
+when plain decoding is faster). So drafts are long when acceptance is high and
+verification is cheap, shrink as the batch grows, and stop for a sequence whose drafts
+keep missing. A sequence left without drafts for `probe_interval` steps (for either
+reason) gets a probe, a full-size draft (one sequence a step at most): without probes a
+stale estimate (of its acceptance, or of the cost of drafted steps, measured in a noisy
+moment) could switch speculation off for good, and a full-size probe measures both where
+the engine would operate. When speculation does not pay, probes cost about
+1/probe_interval of a verify step's extra time.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ class StepCostModel:
     forgetting; the slope is pulled toward `prior_ratio` x the mean step time while the
     token counts seen barely vary (ridge with weight `prior_weight`, in tokens^2)."""
 
-    def __init__(self, decay: float = 0.97, prior_ratio: float = 0.02, prior_weight: float = 1.0):
+    def __init__(self, decay: float = 0.9, prior_ratio: float = 0.02, prior_weight: float = 1.0):
         self.decay = decay
         self.prior_ratio = prior_ratio
         self.prior_weight = prior_weight
@@ -70,41 +78,59 @@ class SpeculationController:
         self.prior_acceptance = prior_acceptance
         self.smoothing = smoothing
         self.probe_interval = probe_interval
-        self.cost = StepCostModel()
+        self.cost = StepCostModel()  # steps that verified drafts
+        self.plain_cost = StepCostModel()  # steps without drafts
         self.requests: dict[str, _Acceptance] = {}
 
     def acceptance(self, request_id: str) -> float:
         state = self.requests.get(request_id)
         return self.prior_acceptance if state is None else state.rate
 
+    def step_seconds(self, num_tokens: int, num_draft_tokens: int) -> float:
+        """Predicted time of a step running num_tokens tokens, num_draft_tokens of them drafts."""
+        model = self.plain_cost if num_draft_tokens == 0 and self.plain_cost.has_data else self.cost
+        if not model.has_data:
+            model = self.plain_cost
+        intercept, per_token = model.coefficients()
+        return intercept + per_token * num_tokens
+
     def budgets(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft nodes per sequence this step, each at most its cap."""
-        if not self.adaptive or not self.cost.has_data:
+        if not self.adaptive or not (self.cost.has_data or self.plain_cost.has_data):
             return list(caps)
-        intercept, per_token = self.cost.coefficients()
-        expected = float(len(caps))  # every sequence emits at least one token
-        seconds = intercept + per_token * len(caps)
         rates = [self.acceptance(r) for r in request_ids]
-        budgets = [0] * len(caps)
+        # every draft token in the order of its gain (a sequence's j-th has gain rate^j)
+        gains: list[tuple[float, int]] = []
         heap = [(-rate, i) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
         heapq.heapify(heap)
+        taken = [0] * len(caps)
         while heap:
-            neg_gain, i = heap[0]
-            if -neg_gain * seconds <= per_token * expected:
-                break
-            heapq.heappop(heap)
-            budgets[i] += 1
-            expected -= neg_gain
-            seconds += per_token
-            if budgets[i] < caps[i]:
+            neg_gain, i = heapq.heappop(heap)
+            gains.append((-neg_gain, i))
+            taken[i] += 1
+            if taken[i] < caps[i]:
                 heapq.heappush(heap, (neg_gain * rates[i], i))
+        # the best prefix of that order by expected tokens per second
+        base = len(caps)  # every sequence emits at least one token
+        best_k, best_rate, expected = 0, base / self.step_seconds(base, 0), float(base)
+        for k, (gain, _) in enumerate(gains, start=1):
+            expected += gain
+            rate = expected / self.step_seconds(base + k, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        budgets = [0] * len(caps)
+        for _, i in gains[:best_k]:
+            budgets[i] += 1
+        probed = False  # at most one probe a step, so probing stays cheap in a large batch
         for i, request_id in enumerate(request_ids):
             state = self.requests.setdefault(request_id, _Acceptance(self.prior_acceptance))
-            if budgets[i] == 0 and caps[i] > 0 and state.rate < self.prior_acceptance:  # shut off by misses
-                state.steps_without_draft += 1
-                if state.steps_without_draft >= self.probe_interval:
-                    budgets[i] = 1
-                    state.steps_without_draft = 0
+            if budgets[i] or not caps[i]:
+                continue
+            state.steps_without_draft += 1
+            if state.steps_without_draft >= self.probe_interval and not probed:
+                budgets[i] = caps[i]
+                state.steps_without_draft = 0
+                probed = True
         return budgets
 
     def observe_verdict(self, request_id: str, num_accepted: int, rejected: bool) -> None:
@@ -114,8 +140,8 @@ class SpeculationController:
         for outcome in [1.0] * num_accepted + ([0.0] if rejected else []):
             state.rate += self.smoothing * (outcome - state.rate)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, has_drafts: bool = True) -> None:
+        (self.cost if has_drafts else self.plain_cost).observe(num_tokens, seconds)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

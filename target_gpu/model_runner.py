@@ -34,9 +34,11 @@ class ModelRunner:
         self.attention = TorchAttentionBackend(self.kv_cache)
 
     @torch.inference_mode()
-    def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None) -> torch.Tensor:
+    def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None,
+                return_hidden: bool = False):
         """Run the new tokens (and draft nodes) of `seqs`; return logits [R, V] for the rows
-        asked for: the last new token when plain, the root and every node with a tree."""
+        asked for: the last new token when plain, the root and every node with a tree.
+        With return_hidden: (logits [R, V], final hidden states [R, H]) of those rows."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,11 +75,11 @@ class ModelRunner:
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)
 
-        hidden = self.model(ids, pos, attention)  # [T, hidden]
-        if not logits_rows:
-            return torch.empty(0, self.config.vocab_size, device=device)
+        hidden = self.model(ids, pos, attention)  # [T, H]
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden.index_select(0, rows))  # [R, V]
+        hidden = hidden.index_select(0, rows)  # [R, H]
+        logits = self.model.compute_logits(hidden)  # [R, V]
+        return (logits, hidden) if return_hidden else logits
 
     @torch.inference_mode()
     def commit_accepted(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -592,11 +592,11 @@ def test_low_acceptance_stops_drafting_except_for_probes():
         budgets = controller.budgets(["good", "bad"], [6, 6])
         assert budgets[0] == 6
         bad.append(budgets[1])
-    assert bad == [1 if step % 5 == 0 else 0 for step in range(1, 21)]
+    assert bad == [6 if step % 5 == 0 else 0 for step in range(1, 21)]  # a full-size probe
     # a probe that is answered (however it went) restarts the count
     controller.budgets(["bad"], [6])
     controller.observe_verdict("bad", 0, True)
-    assert [controller.budgets(["bad"], [6])[0] for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert [controller.budgets(["bad"], [6])[0] for _ in range(5)] == [0, 0, 0, 0, 6]
     # drafts come back once the sequence's drafts start landing again
     for _ in range(30):
         controller.observe_verdict("bad", 4, False)
@@ -666,3 +666,43 @@ def test_budgets_never_exceed_caps():
             controller.observe_step(x, 0.01 + rng.choice([1e-6, 1e-4, 1e-2]) * x)
     controller.release("z0")
     assert controller.acceptance("z0") == controller.prior_acceptance
+
+
+def test_first_draft_token_pays_the_jump_from_plain_to_verify_steps():
+    """CPU-like costs: a plain step 48 ms, any step with drafts 58 ms + 0.3 ms a token. A
+    sequence accepting 10% of its drafts is not worth the jump; one accepting 60% is."""
+    def controller_with(rate: float) -> SpeculationController:
+        controller = SpeculationController(prior_acceptance=rate, probe_interval=10**9)
+        for tokens in (1, 1, 1):
+            controller.observe_step(tokens, 0.048, has_drafts=False)
+        for tokens in (2, 5, 9, 13):
+            controller.observe_step(tokens, 0.058 + 0.0003 * tokens, has_drafts=True)
+        return controller
+
+    assert controller_with(0.1).budgets(["s"], [8]) == [0]
+    assert controller_with(0.6).budgets(["s"], [8])[0] >= 3
+    # one line through both kinds of steps would see a cheap first token and draft anyway
+    merged = SpeculationController(prior_acceptance=0.1, probe_interval=10**9)
+    for tokens, seconds in ((1, 0.048), (1, 0.048), (1, 0.048), (2, 0.0586), (5, 0.0595), (9, 0.0607)):
+        merged.observe_step(tokens, seconds)
+    assert merged.budgets(["s"], [8])[0] > 0
+
+
+def test_probes_refresh_a_stale_cost_estimate_one_sequence_a_step():
+    """Drafted steps once measured (in a noisy moment) at 10x their cost switch drafting off;
+    full-size probes, one sequence a step at most, measure them again and drafting comes back."""
+    controller = SpeculationController(prior_acceptance=0.8, probe_interval=4)
+    for _ in range(5):
+        controller.observe_step(3, 0.045, has_drafts=False)
+        controller.observe_step(12, 0.6, has_drafts=True)
+    ids = ["a", "b", "c"]
+    totals = []
+    for _ in range(100):
+        budgets = controller.budgets(ids, [8, 8, 8])
+        totals.append(sum(budgets))
+        if any(budgets):
+            controller.observe_step(3 + sum(budgets), 0.05 + 0.0003 * sum(budgets), has_drafts=True)
+        else:
+            controller.observe_step(3, 0.045, has_drafts=False)
+    assert totals[:3] == [0, 0, 0] and totals[3] == 8  # a full-size probe, one sequence only
+    assert all(t >= 6 for t in totals[-10:])  # drafting is back

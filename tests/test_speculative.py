@@ -282,3 +282,32 @@ def test_generate_cli_refuses_an_unavailable_speculator(tmp_path, capsys):
     src.write_text('{"prompt": "hi"}\n')
     assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--speculator", "eagle"]) == 2
     assert "not available yet" in capsys.readouterr().err
+
+
+def test_proposers_asking_for_them_get_the_targets_logits_and_hidden_state_at_the_last_token(spec_engine, generate):
+    """A proposer with needs_logits / needs_hidden_states sees, each step, the target's output
+    at the sequence's last token: in greedy decoding its argmax is that token's successor,
+    which is exactly the token the sequence ends with; and the hidden state gives those logits."""
+    from speculators.ngram import NGramProposer
+
+    engine = spec_engine
+    seen = []
+
+    class Recording(NGramProposer):
+        needs_logits = True
+        needs_hidden_states = True
+
+        def propose(self, requests):
+            for r in requests:
+                seen.append((list(r.token_ids), r.last_logits, r.last_hidden))
+            return super().propose(requests)
+
+    engine.proposers["ngram"] = Recording(1, 3)
+    try:
+        generate(engine, [COPY_PROMPT, PROMPTS[2]], greedy(24, speculator="ngram"))
+    finally:
+        engine.proposers.clear()
+    assert len(seen) > 10
+    for token_ids, logits, hidden in seen:
+        assert int(logits.argmax()) == token_ids[-1]
+        torch.testing.assert_close(engine.model.compute_logits(hidden[None])[0], logits)
