@@ -25,7 +25,7 @@ from runtime.models.loader import load_model
 from runtime.rejection_sampler import RejectionSampler, Verdict
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
-from runtime.sequence import RequestMetrics, Sequence
+from runtime.sequence import RequestMetrics, Sequence, count_accepted_positions
 from runtime.speculation import SpeculationController
 from speculators import DraftTree, ProposalRequest, Proposer, build_proposer
 from target_gpu.kv_cache import bytes_per_block, parse_memory
@@ -329,11 +329,7 @@ class LLMEngine:
             stats.num_bonus_tokens += 1
         else:
             stats.num_recovered_tokens += 1
-        per_position = stats.accepted_per_position
-        if len(per_position) < num_accepted:
-            per_position.extend([0] * (num_accepted - len(per_position)))
-        for depth in range(num_accepted):
-            per_position[depth] += 1
+        count_accepted_positions(stats.accepted_per_position, num_accepted)
 
     def _advance(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
         """Append the step's tokens one by one (detokenize, apply the stop conditions) until

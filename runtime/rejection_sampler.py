@@ -85,7 +85,7 @@ class RejectionSampler:
             return [_walk_greedy(tree, argmax, start) for tree, start in zip(trees, row_starts)]
         row_params = [p for p, tree in zip(params, trees) for _ in range(1 + len(tree))]
         probs = target_probs(logits.float(), row_params)  # [R, V]
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = logits.argmax(dim=-1).tolist() if any(p.is_greedy for p in params) else []
         return [_walk_greedy(tree, argmax, start) if p.is_greedy
                 else _walk_sampled(tree, probs, start, gen or self.generator)
                 for tree, start, p, gen in zip(trees, row_starts, params, generators)]

@@ -70,10 +70,7 @@ class RequestMetrics:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         self.num_verify_steps += 1
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for depth in range(num_accepted):
-            self.accepted_per_position[depth] += 1
+        count_accepted_positions(self.accepted_per_position, num_accepted)
 
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s,
@@ -83,6 +80,14 @@ class RequestMetrics:
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
                 "accepted_per_position": list(self.accepted_per_position),
                 "num_target_forwards": self.num_target_forwards}
+
+
+def count_accepted_positions(per_position: list[int], num_accepted: int) -> None:
+    """per_position[d - 1] += 1 for every accepted depth d (growing the list as needed)."""
+    if len(per_position) < num_accepted:
+        per_position.extend([0] * (num_accepted - len(per_position)))
+    for depth in range(num_accepted):
+        per_position[depth] += 1
 
 
 _seq_counter = itertools.count()

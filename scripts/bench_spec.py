@@ -44,6 +44,8 @@ from runtime.config import DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
 from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
 from runtime.speculation import SpeculationController  # noqa: E402
 
+from bench_decode import load_hf  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 CODE = '''def summarize_orders(data, min_total=0.0):
     totals = {}
     counts = {}
@@ -198,20 +200,6 @@ def make_systems(args) -> list[System]:
             raise SystemExit(f"unknown system(s): {', '.join(sorted(unknown))}")
         systems = [s for s in systems if s.key in wanted]
     return systems
-
-
-def load_hf(spec: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    source = resolve_model(spec)
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                     torch_dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), torch_dtype=dtype)
-    return model.to(device).eval()
 
 
 HF_OVERSHOOT: list[int] = []  # tokens HF generated beyond max_new_tokens, per request that did
