@@ -114,6 +114,8 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:

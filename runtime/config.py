@@ -12,8 +12,9 @@ from speculators import check_available
 # Draft nodes per step when --num-speculative-tokens is not given, and tree width when
 # --speculative-tree-width is not (lookahead: extra nodes cost little to verify, and on the
 # input-grounded benchmark trees of width 3 beat chains, 2.65x against 1.99x plain decode).
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8}
-DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3}
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8, "draft": 6}
+DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3, "draft": 2}
+DRAFT_DEVICES = ("auto", "cpu", "cuda")
 
 
 def amx_available() -> bool:
@@ -42,6 +43,15 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest
     lookahead_global_nodes: int = 0  # node cap of the trie shared by all requests; 0 = off
     adaptive_speculation: bool = True  # size drafts per step from measured acceptance and costs
+    # the draft model (speculator "draft"; draft_cpu/)
+    draft_model: str | None = None  # alias, .gguf file or HF directory; same vocabulary as the target
+    draft_device: str = "auto"  # auto | cpu | cuda: auto is the CPU unless the target is on a GPU and < 4 cores
+    draft_dtype: str = "auto"  # auto: the target's on the same device, else bfloat16 on AMX/CUDA, float32
+    draft_backend: str = "auto"  # auto | ipex | torch (CPU): auto takes IPEX when it imports
+    draft_quantization: str = "none"  # none | int8 (weight-only)
+    draft_cpu_cores: str | None = None  # e.g. "0-15"; None: all but one core with a GPU target, unpinned on CPU
+    draft_min_path_prob: float = 0.2  # stop a draft chain when its draft path probability falls below this
+    draft_overlap: str = "auto"  # auto | on | off: draft ahead while the target verifies (auto: when on other cores)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -65,6 +75,20 @@ class EngineConfig:
                              f"and {self.prompt_lookup_max}")
         if self.lookahead_global_nodes < 0:
             raise ValueError(f"lookahead_global_nodes must be >= 0, got {self.lookahead_global_nodes}")
+        if self.speculator == "draft" and not self.draft_model:
+            raise ValueError("speculator 'draft' needs a draft model: --draft-model PATH (or draft_model=...)")
+        if self.draft_device not in DRAFT_DEVICES and not self.draft_device.startswith("cuda:"):
+            raise ValueError(f"draft_device must be auto, cpu or cuda, got {self.draft_device!r}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
+        if self.draft_backend not in ("auto", "ipex", "torch"):
+            raise ValueError(f"draft_backend must be auto, ipex or torch, got {self.draft_backend!r}")
+        if self.draft_quantization not in ("none", "int8"):
+            raise ValueError(f"draft_quantization must be none or int8, got {self.draft_quantization!r}")
+        if self.draft_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"draft_overlap must be auto, on or off, got {self.draft_overlap!r}")
+        if not 0.0 <= self.draft_min_path_prob < 1.0:
+            raise ValueError(f"draft_min_path_prob must be in [0, 1), got {self.draft_min_path_prob}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -81,6 +105,27 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.type == "cuda" or amx_available() else "float32"
+
+    def resolved_draft_device(self, target_device: torch.device) -> torch.device:
+        """auto: the CPU (the point of this runtime), unless the target is on a GPU and the
+        process has fewer than 4 cores, where a CPU draft would starve the engine loop."""
+        import os
+        if self.draft_device == "auto":
+            if target_device.type == "cuda" and len(os.sched_getaffinity(0)) < 4:
+                return target_device
+            return torch.device("cpu")
+        device = torch.device(self.draft_device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("draft device 'cuda' was asked for but torch sees no CUDA device")
+        return device
+
+    def resolved_draft_dtype(self, draft_device: torch.device, target_device: torch.device,
+                             target_dtype: str) -> str:
+        if self.draft_dtype != "auto":
+            return self.draft_dtype
+        if draft_device.type == target_device.type:
+            return target_dtype
+        return "bfloat16" if draft_device.type == "cuda" or amx_available() else "float32"
 
     def speculative_tokens(self, speculator: str) -> int:
         if speculator == "none":
@@ -104,8 +149,8 @@ def add_speculation_args(parser) -> None:
     d = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", choices=SPECULATORS,
-                   help=f"proposer of draft tokens (default: {d['speculator']}; draft, eagle and medusa are "
-                        "not available yet)")
+                   help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model; eagle "
+                        "and medusa are not available yet)")
     g.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens (tree nodes) verified per sequence per step; default: "
                         + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()))
@@ -119,10 +164,35 @@ def add_speculation_args(parser) -> None:
     g.add_argument("--lookahead-global-nodes", type=int,
                    help="lookahead: node cap of a trie shared by all requests (least recently used first "
                         "out); 0 = off (default)")
+    g.add_argument("--draft-model",
+                   help="speculator draft: the draft model (alias, .gguf file or HF directory) with the target's "
+                        "vocabulary")
+    g.add_argument("--draft-device", choices=DRAFT_DEVICES,
+                   help="where the draft model runs (default: auto = the CPU, unless the target is on a GPU and "
+                        "fewer than 4 cores are available)")
+    g.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="draft model dtype (default: auto = the target's on the same device, else bfloat16 on "
+                        "AMX CPUs and GPUs, float32 otherwise)")
+    g.add_argument("--draft-backend", choices=("auto", "ipex", "torch"),
+                   help="CPU draft backend (default: auto = ipex when intel-extension-for-pytorch imports)")
+    g.add_argument("--draft-quantization", choices=("none", "int8"),
+                   help="weight-only quantization of the draft model (default: none)")
+    g.add_argument("--draft-cpu-cores",
+                   help="pin the CPU draft worker to these cores, e.g. 0-15 or 0-3,8-11; the rest of the "
+                        "process moves off them (default: all but one core with a GPU target; unpinned when "
+                        "the target is on the CPU)")
+    g.add_argument("--draft-min-path-prob", type=float,
+                   help="stop extending a draft chain when its probability under the draft model falls below "
+                        f"this (default: {d['draft_min_path_prob']})")
+    g.add_argument("--draft-overlap", choices=("auto", "on", "off"),
+                   help="keep drafting while the target verifies (default: auto = on when the draft has its own "
+                        "device or cores)")
     g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
                    help="always propose --num-speculative-tokens instead of sizing drafts from measured "
                         "acceptance and step costs")
 
 
 SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min",
-                    "prompt_lookup_max", "lookahead_global_nodes", "adaptive_speculation")
+                    "prompt_lookup_max", "lookahead_global_nodes", "adaptive_speculation", "draft_model",
+                    "draft_device", "draft_dtype", "draft_backend", "draft_quantization", "draft_cpu_cores",
+                    "draft_min_path_prob", "draft_overlap")

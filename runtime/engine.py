@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
@@ -27,7 +28,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import RequestMetrics, Sequence, count_accepted_positions
 from runtime.speculation import SpeculationController
-from speculators import DraftTree, ProposalRequest, Proposer, build_proposer
+from speculators import DraftTree, ProposalRequest, Proposer, TargetInfo, build_proposer
 from target_gpu.kv_cache import bytes_per_block, parse_memory
 from target_gpu.model_runner import ModelRunner
 
@@ -67,6 +68,16 @@ class EngineStats:
     num_bonus_tokens: int = 0
     num_recovered_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: verify steps that accepted depth d
+    # time (seconds): proposers' own workers busy, the target busy, both at once (ARCHITECTURE.md, Overlap)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    overlap_seconds: float = 0.0
+    timeline: deque = field(default_factory=lambda: deque(maxlen=4096))  # StepTiming of recent steps
+
+    @property
+    def overlap_fraction(self) -> float | None:
+        """Share of the target's busy time during which a draft worker computed too."""
+        return self.overlap_seconds / self.verify_seconds if self.verify_seconds else None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -75,6 +86,21 @@ class EngineStats:
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """One step's wall time split (seconds): draft worker busy, target busy, both at once."""
+
+    wall: float
+    draft: float
+    verify: float
+    overlap: float
+
+    @property
+    def idle(self) -> float:
+        """Neither busy: scheduling, sampling, commit, Python between the two."""
+        return max(0.0, self.wall - (self.draft + self.verify - self.overlap))
 
 
 @dataclass(slots=True)
@@ -114,8 +140,12 @@ class LLMEngine:
         self._next_id = 0
         self.proposers: dict[str, Proposer] = {}
         self.spec_controller = SpeculationController(adaptive=config.adaptive_speculation)
+        self.target_info = TargetInfo(mc.vocab_size, self.tokenizer, self.device, self.dtype, capacity,
+                                      config.max_num_seqs, config.seed)
         if config.speculator != "none":
             self._proposer(config.speculator)  # fail at start on a bad setting
+        if config.draft_model:
+            self._proposer("draft")  # loaded now, so requests may ask for it
             log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
                      config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
                      "adaptive" if config.adaptive_speculation else "fixed")
@@ -180,11 +210,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def close(self) -> None:
+        """Stop the proposers' workers (the draft model's thread)."""
+        for proposer in self.proposers.values():
+            proposer.close()
+
     # ---- speculation --------------------------------------------------------------------
     def _proposer(self, name: str) -> Proposer:
         proposer = self.proposers.get(name)
         if proposer is None:
-            proposer = self.proposers[name] = build_proposer(name, self.config)
+            proposer = self.proposers[name] = build_proposer(name, self.config, self.target_info)
         return proposer
 
     def _speculator_of(self, seq: Sequence) -> tuple[str, int]:
@@ -199,8 +234,9 @@ class LLMEngine:
         cap = min(cap, params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return name, max(cap, 0)
 
-    def _propose(self) -> None:
-        """Give each decoding sequence of the running batch this step's draft tree."""
+    def _propose(self) -> int:
+        """Give each decoding sequence of the running batch this step's draft tree; returns
+        the deepest tree's depth (0 when nothing was proposed)."""
         decoding, names, caps = [], [], []
         for seq in self.scheduler.running:
             seq.draft_tree = None
@@ -212,9 +248,10 @@ class LLMEngine:
                 names.append(name)
                 caps.append(cap)
         if not decoding:
-            return
+            return 0
         budgets = self.spec_controller.budgets([s.request_id for s in decoding], caps)
         by_proposer: dict[str, list[tuple[Sequence, int]]] = {}
+        depth = 0
         for seq, name, budget in zip(decoding, names, budgets):
             if budget > 0:
                 by_proposer.setdefault(name, []).append((seq, budget))
@@ -231,6 +268,8 @@ class LLMEngine:
             for (seq, budget), tree in zip(group, trees):
                 if len(tree):
                     seq.draft_tree = tree.truncated(budget)
+                    depth = max(depth, seq.draft_tree.max_depth)
+        return depth
 
     def _release(self, seq: Sequence) -> None:
         """seq has left for good: its proposer and the controller forget it."""
@@ -242,7 +281,10 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        self._propose()
+        depth = self._propose()
+        proposed = time.perf_counter()
+        if depth:
+            self.spec_controller.observe_drafting(depth, proposed - start)
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
         if batch.is_empty:
@@ -252,8 +294,15 @@ class LLMEngine:
         needs_logits = [seq.num_computed_tokens + n == seq.num_tokens
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         want_hidden = any(p.needs_hidden_states for p in self.proposers.values())
-        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees,
-                                     return_hidden=want_hidden)  # [R, V] (, [R, H])
+        drafting_ahead = self._draft_ahead(batch.seqs, trees)
+        verify_start = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees,
+                                         return_hidden=want_hidden)  # [R, V] (, [R, H])
+        finally:
+            verify_end = time.perf_counter()
+            for done in drafting_ahead:
+                done.set()
         logits, hidden = logits if want_hidden else (logits, None)
         sampled = [i for i, needed in enumerate(needs_logits) if needed]
         verdicts = self.sampler(logits, [trees[i] for i in sampled], [batch.seqs[i].params for i in sampled],
@@ -262,11 +311,43 @@ class LLMEngine:
             self._keep_last_outputs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts,
                                     logits, hidden)
         outputs = self._commit(batch, trees, needs_logits, verdicts)
+        end = time.perf_counter()
+        self._record_timing(start, verify_start, verify_end, end)
         prefilling = any(not needed or n > 1 for n, needed in zip(batch.num_new_tokens, needs_logits))
         if not prefilling:
-            self.spec_controller.observe_step(batch.num_tokens, time.perf_counter() - start,
+            self.spec_controller.observe_step(batch.num_tokens, end - proposed,
                                               has_drafts=any(batch.num_draft_tokens))
         return outputs
+
+    def _draft_ahead(self, seqs: list[Sequence], trees: list[DraftTree]) -> list:
+        """Let proposers with their own worker keep drafting while the target verifies."""
+        by_proposer: dict[str, list[tuple[str, DraftTree]]] = {}
+        for seq, tree in zip(seqs, trees):
+            if len(tree):
+                by_proposer.setdefault(seq.params.speculator or self.config.speculator, []).append(
+                    (seq.request_id, tree))
+        events = []
+        for name, verifying in by_proposer.items():
+            try:
+                done = self.proposers[name].draft_ahead(verifying)
+            except Exception:
+                log.exception("proposer %s failed to draft ahead", name)
+                continue
+            if done is not None:
+                events.append(done)
+        return events
+
+    def _record_timing(self, start: float, verify_start: float, verify_end: float, end: float) -> None:
+        draft = overlap = 0.0
+        for proposer in self.proposers.values():
+            draft += proposer.busy_between(start, end)
+            overlap += proposer.busy_between(verify_start, verify_end)
+        timing = StepTiming(end - start, draft, verify_end - verify_start, overlap)
+        stats = self.stats
+        stats.draft_seconds += timing.draft
+        stats.verify_seconds += timing.verify
+        stats.overlap_seconds += timing.overlap
+        stats.timeline.append(timing)
 
     @staticmethod
     def _keep_last_outputs(seqs: list[Sequence], trees: list[DraftTree], verdicts: list[Verdict],

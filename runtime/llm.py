@@ -68,7 +68,10 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory, seed,
     and the speculation settings: speculator, num_speculative_tokens,
     speculative_tree_width, prompt_lookup_min, prompt_lookup_max, lookahead_global_nodes,
-    adaptive_speculation), e.g. LLM(speculator="lookahead", num_speculative_tokens=8)."""
+    adaptive_speculation, and for speculator "draft": draft_model, draft_device, draft_dtype,
+    draft_backend, draft_quantization, draft_cpu_cores, draft_min_path_prob), e.g.
+    LLM(speculator="lookahead", num_speculative_tokens=8) or
+    LLM(model=target, speculator="draft", draft_model=path, draft_device="cpu", draft_cpu_cores="0-15")."""
 
     def __init__(self, model: str | None = None, **kwargs):
         if model is not None:

@@ -12,6 +12,11 @@ Two things are measured as the engine runs:
     SmolLM2 in bf16: 1 token 48 ms, 2 tokens 58 ms, 16 tokens 62 ms, as oneDNN leaves
     its matrix-vector kernel), which one line through both would hide.
 
+A third fit is the proposers' own drafting time against the depth drafted (a draft model
+runs one forward per depth, for all its sequences at once; n-gram lookups cost about
+nothing), so a step's predicted time is drafting to the deepest budget plus verifying
+all tokens.
+
 A sequence's j-th draft token (a chain, or the j-th node of a tree) adds a^j expected
 tokens. All draft tokens of the step are ordered by that gain, and the step takes the
 prefix of that order that maximises expected tokens per predicted second (none at all
@@ -80,6 +85,7 @@ class SpeculationController:
         self.probe_interval = probe_interval
         self.cost = StepCostModel()  # steps that verified drafts
         self.plain_cost = StepCostModel()  # steps without drafts
+        self.draft_cost = StepCostModel(prior_ratio=0.5)  # proposing: seconds against the depth drafted
         self.requests: dict[str, _Acceptance] = {}
 
     def acceptance(self, request_id: str) -> float:
@@ -93,6 +99,13 @@ class SpeculationController:
             model = self.plain_cost
         intercept, per_token = model.coefficients()
         return intercept + per_token * num_tokens
+
+    def draft_seconds(self, depth: int) -> float:
+        """Predicted time to propose drafts up to `depth` deep (0 when nothing is drafted)."""
+        if depth == 0 or not self.draft_cost.has_data:
+            return 0.0
+        intercept, per_depth = self.draft_cost.coefficients()
+        return intercept + per_depth * depth
 
     def budgets(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft nodes per sequence this step, each at most its cap."""
@@ -113,9 +126,13 @@ class SpeculationController:
         # the best prefix of that order by expected tokens per second
         base = len(caps)  # every sequence emits at least one token
         best_k, best_rate, expected = 0, base / self.step_seconds(base, 0), float(base)
-        for k, (gain, _) in enumerate(gains, start=1):
+        depth_of = [0] * len(caps)
+        depth = 0
+        for k, (gain, i) in enumerate(gains, start=1):
             expected += gain
-            rate = expected / self.step_seconds(base + k, k)
+            depth_of[i] += 1
+            depth = max(depth, depth_of[i])
+            rate = expected / (self.step_seconds(base + k, k) + self.draft_seconds(depth))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         budgets = [0] * len(caps)
@@ -141,7 +158,12 @@ class SpeculationController:
             state.rate += self.smoothing * (outcome - state.rate)
 
     def observe_step(self, num_tokens: int, seconds: float, has_drafts: bool = True) -> None:
+        """A decode step (proposing excluded) ran num_tokens tokens in `seconds`."""
         (self.cost if has_drafts else self.plain_cost).observe(num_tokens, seconds)
+
+    def observe_drafting(self, depth: int, seconds: float) -> None:
+        """Proposers took `seconds` to draft trees at most `depth` deep."""
+        self.draft_cost.observe(depth, seconds)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -30,6 +30,19 @@ class ProposalRequest:
     last_hidden: torch.Tensor | None = None  # [H] the target's hidden state there, when asked
 
 
+@dataclass(slots=True)
+class TargetInfo:
+    """What a proposer may know about the target model (to match vocabularies, size caches)."""
+
+    vocab_size: int
+    tokenizer: object  # the target's transformers tokenizer
+    device: torch.device
+    dtype: str  # the target's resolved dtype name
+    num_kv_tokens: int  # the target's KV capacity in tokens
+    max_num_seqs: int
+    seed: int | None = None
+
+
 class Proposer(ABC):
     name: str = "proposer"
     needs_logits = False  # whether ProposalRequest.last_logits must be filled
@@ -39,9 +52,23 @@ class Proposer(ABC):
     def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per request, at most request.max_nodes nodes, at most tree_width children a node."""
 
+    def draft_ahead(self, verifying: list[tuple[str, DraftTree]]):
+        """The target is about to verify these (request id, tree) pairs. A proposer that can
+        work meanwhile (a draft model on other cores or another device) starts and returns
+        a threading.Event, which the engine sets when verification is done; None otherwise."""
+        return None
+
+    def busy_between(self, t0: float, t1: float) -> float:
+        """Seconds this proposer's own worker computed within [t0, t1] (time.perf_counter);
+        0 for proposers that run on the engine's thread."""
+        return 0.0
+
     def on_accepted(self, request_id: str, token_ids: list[int], num_accepted: int) -> None:
         """The last verification kept num_accepted draft tokens; token_ids now ends with
         them plus the target's bonus or recovered token."""
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or failed: drop what is kept for it."""
+
+    def close(self) -> None:
+        """The engine is shutting down: stop threads, free memory."""

@@ -26,6 +26,7 @@ from runtime.sequence import Sequence
 from speculators.tree import DraftTree
 
 ATOL = 1e-4
+RTOL = 1e-5  # float32 logits of ~20 in size: reduction order (thread count, kernels) moves them by ~1e-4
 
 COPY_PROMPT = ("Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape, "
                "honeydew, kiwi, lemon, mango, nectarine.\nList: apple, banana,")
@@ -99,10 +100,10 @@ def test_tree_logits_match_hf_for_every_root_to_node_path(spec_engine, hf_smollm
         assert logits.shape[0] == sum(1 + len(t) for t in trees)
         row = 0
         for ids, tree in zip(contexts, trees):
-            torch.testing.assert_close(logits[row], hf_last_logits(hf_smollm, ids), atol=ATOL, rtol=0)
+            torch.testing.assert_close(logits[row], hf_last_logits(hf_smollm, ids), atol=ATOL, rtol=RTOL)
             for node in range(len(tree)):
                 ref = hf_last_logits(hf_smollm, ids + path_tokens(tree, node))
-                torch.testing.assert_close(logits[row + 1 + node], ref, atol=ATOL, rtol=0,
+                torch.testing.assert_close(logits[row + 1 + node], ref, atol=ATOL, rtol=RTOL,
                                            msg=lambda m: f"node {node} of a {len(tree)}-node tree: {m}")
             row += 1 + len(tree)
     finally:
@@ -131,7 +132,7 @@ def test_committing_a_path_through_later_siblings_moves_its_kv(spec_engine, hf_s
         engine.block_manager.may_append(seq, 1)
         logits = engine.runner.execute([seq], [1], [True])
         ref = hf_last_logits(hf_smollm, ids + [202, 505, 7])
-        torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=RTOL)
     finally:
         engine.block_manager.free(seq)
 
@@ -243,6 +244,8 @@ def test_seeded_sampling_with_one_hot_speculation_equals_plain_sampling(spec_eng
 def test_request_overrides_and_bad_settings(spec_engine):
     engine = spec_engine
     with pytest.raises(ValueError, match="not available yet"):
+        engine.add_request("hi", SamplingParams(speculator="eagle"))
+    with pytest.raises(ValueError, match="without one"):  # draft: this engine has no draft model
         engine.add_request("hi", SamplingParams(speculator="draft"))
     with pytest.raises(ValueError, match="unknown speculator"):
         SamplingParams(speculator="medusa2")
@@ -263,7 +266,7 @@ def test_generate_cli_speculates_and_reports(tmp_path, spec_engine, capsys):
     llm = LLM.__new__(LLM)
     llm.engine, llm.tokenizer, llm.last_summary = spec_engine, spec_engine.tokenizer, None
     lines = [{"prompt": COPY_PROMPT, "max_tokens": 20, "temperature": 0, "speculator": "lookahead"},
-             {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "speculator": "draft"},
+             {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "speculator": "medusa"},
              {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "num_speculative_tokens": -2}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -1,0 +1,149 @@
+"""CPU backends for the draft model: IPEX when importable, plain PyTorch always.
+
+Both run the same DecoderModel (runtime.models.decoder); a backend only swaps modules:
+  - `torch`: bf16 nn.Linear already runs on AMX through oneDNN; nothing to swap. With
+    `int8`, every linear layer (and the LM head) becomes Int8Linear: per-output-channel
+    symmetric int8 weights through `torch.ops.aten._weight_int8pack_mm` (dequantized
+    matmul where that op is missing).
+  - `ipex` (intel-extension-for-pytorch): `ipex.optimize` prepacks the linear weights
+    into oneDNN's blocked layout, RMSNorm runs IPEX's fused kernel, and `int8` uses IPEX's
+    weight-only quantized linear (bf16 compute on AMX).
+IPEX is archived upstream and pins torch 2.8.x and transformers < 5, so `auto` takes it
+only when it imports cleanly.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from runtime.config import amx_available
+from runtime.models.decoder import DecoderModel, RMSNorm
+
+log = logging.getLogger("draft_cpu.backends")
+
+BACKENDS = ("auto", "ipex", "torch")
+QUANTIZATIONS = ("none", "int8")
+
+
+def import_ipex():
+    """The intel_extension_for_pytorch module, or None when it does not import here."""
+    try:
+        import intel_extension_for_pytorch as ipex  # noqa: F401
+    except Exception as exc:  # ImportError, or a version mismatch raised at import
+        log.debug("intel_extension_for_pytorch unavailable: %s", exc)
+        return None
+    return ipex
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"draft backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if device.type != "cpu":
+        if name == "ipex":
+            raise ValueError("the ipex draft backend runs on the CPU only; use --draft-device cpu")
+        return "torch"
+    if name == "auto":
+        return "ipex" if import_ipex() is not None else "torch"
+    if name == "ipex" and import_ipex() is None:
+        raise ValueError("--draft-backend ipex: intel_extension_for_pytorch does not import here "
+                         "(it needs torch 2.8.x and transformers < 5); use --draft-backend torch")
+    return name
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 [N, K] and one scale per output row (weight-only:
+    activations stay in the model dtype)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # [N, K]
+        scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [N]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
+        else:
+            y = nn.functional.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def _linear_children(model: nn.Module):
+    """(parent module, attribute name, nn.Linear) for every linear layer, LM head included."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                yield parent, name, child
+
+
+def quantize_int8_torch(model: DecoderModel) -> int:
+    """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table)."""
+    swapped = 0
+    for parent, name, linear in list(_linear_children(model)):
+        setattr(parent, name, Int8Linear(linear))
+        swapped += 1
+    return swapped
+
+
+def quantize_int8_ipex(model: DecoderModel, ipex) -> int:
+    from intel_extension_for_pytorch.nn.modules.weight_only_quantization import WeightOnlyQuantizedLinear
+    from intel_extension_for_pytorch.quantization import WoqLowpMode, get_weight_only_quant_qconfig_mapping
+    lowp = WoqLowpMode.BF16 if model.dtype == torch.bfloat16 else WoqLowpMode.NONE
+    qconfig = get_weight_only_quant_qconfig_mapping(lowp_mode=lowp).global_qconfig
+    swapped = 0
+    for parent, name, linear in list(_linear_children(model)):
+        if parent is model and name == "lm_head" and linear.weight is model.embed_tokens.weight:
+            linear = nn.Linear(linear.in_features, linear.out_features, bias=False, dtype=model.dtype)
+            linear.weight = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+        linear.qconfig = qconfig
+        setattr(parent, name, WeightOnlyQuantizedLinear.from_float(linear))
+        swapped += 1
+    return swapped
+
+
+class IpexRMSNorm(nn.Module):
+    """RMSNorm through IPEX's fused kernel (same weight)."""
+
+    def __init__(self, norm: RMSNorm, ipex):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self._rms_norm = ipex.llm.functional.rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(x, self.weight, self.eps)
+
+
+def prepare_model(model: DecoderModel, backend: str, quantization: str) -> str:
+    """Apply `backend` ("ipex" | "torch", resolved) and `quantization` to model in place;
+    returns a one-line description for the start-up log."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    device = model.embed_tokens.weight.device
+    parts = [f"backend {backend}", str(model.dtype).replace("torch.", "")]
+    if backend == "ipex":
+        ipex = import_ipex()
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, RMSNorm):
+                    setattr(parent, name, IpexRMSNorm(child, ipex))
+        parts.append("fused RMSNorm")
+        if quantization == "int8":
+            parts.append(f"int8 weight-only (IPEX WOQ, {quantize_int8_ipex(model, ipex)} linear layers)")
+        else:
+            ipex.optimize(model, dtype=model.dtype, inplace=True)
+            parts.append("prepacked linear weights")
+    elif quantization == "int8":
+        parts.append(f"int8 weight-only (torch, {quantize_int8_torch(model)} linear layers)")
+    if device.type == "cpu":
+        parts.append(f"AMX {'yes' if amx_available() else 'no'}")
+    return ", ".join(parts)

@@ -1,0 +1,178 @@
+"""The draft worker: a draft model on its own thread (and cores), with its own paged KV
+cache that rolls back to any committed length.
+
+The model is the target's decoder code (runtime.models) loaded from any model spec (an
+alias, a GGUF file, an HF directory), and it runs through the same ModelRunner as the
+target: "these tokens at these positions", over a paged KV cache of its own. Every call
+into the worker goes through `submit`, which runs it on the worker's one thread; torch
+releases the GIL inside its ops, so the engine thread runs the target meanwhile.
+
+Per request the worker keeps a DraftSequence: the tokens whose KV it has computed and
+their blocks. `sync(request_id, token_ids)` lines it up with the engine's committed
+tokens: the KV of the longest common prefix is kept, positions beyond it are dropped
+(blocks past it go back to the pool, the rest is overwritten by position on the next
+forward). So rollback after a rejected draft costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_cpu.backends import prepare_model, resolve_backend
+from draft_cpu.placement import available_cores, format_core_list, pin_current_thread, place
+from runtime.block_manager import BlockManager
+from runtime.models.loader import load_model
+from target_gpu.kv_cache import bytes_per_block
+from target_gpu.model_runner import ModelRunner
+
+log = logging.getLogger("draft_cpu.worker")
+
+
+@dataclass(slots=True)
+class DraftSequence:
+    """One request's state in the draft cache (the fields ModelRunner reads)."""
+
+    token_ids: list[int]  # the tokens known to the worker: [:num_computed_tokens] have KV
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_committed: int = 0  # tokens known to be committed by the engine (they never change)
+
+
+@dataclass(slots=True)
+class DraftWorkerConfig:
+    model: str
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    backend: str = "auto"  # auto | ipex | torch (CPU)
+    quantization: str = "none"  # none | int8
+    cpu_cores: list[int] | None = None  # pin the worker here; None: no pinning
+    num_kv_tokens: int = 65536  # KV cache capacity in tokens
+    block_size: int = 16
+
+
+class DraftWorker:
+    def __init__(self, config: DraftWorkerConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.backend = resolve_backend(config.backend, self.device)
+        self.sequences: dict[str, DraftSequence] = {}
+        self.busy_seconds = 0.0  # time spent in forward passes
+        self.num_forwards = 0
+        self._busy_intervals: deque[tuple[float, float]] = deque(maxlen=256)  # recent forwards (perf_counter)
+        self._busy_since: float | None = None  # start of the forward in progress
+        self.target_cores: list[int] | None = None  # the cores left to the rest of the process, when pinned
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker")
+        self._thread_id: int | None = None
+        self.submit(self._start).result()
+
+    # ---- thread -------------------------------------------------------------------------
+    def submit(self, fn, *args, **kwargs) -> Future:
+        """Run fn(*args, **kwargs) on the worker thread."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _start(self) -> None:
+        cfg = self.config
+        self._thread_id = threading.get_native_id()
+        if cfg.cpu_cores is not None and self.device.type == "cpu":
+            all_cores = available_cores()
+            pin_current_thread(cfg.cpu_cores)
+            self.target_cores = place(cfg.cpu_cores, self._thread_id, all_cores)
+        self.model, self.tokenizer, self.model_config = load_model(cfg.model, cfg.dtype, self.device)
+        description = prepare_model(self.model, self.backend, cfg.quantization) if self.device.type == "cpu" \
+            else f"{cfg.dtype} on {self.device}"
+        num_blocks = max(1, -(-cfg.num_kv_tokens // cfg.block_size))
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        mc = self.model_config
+        kv_mib = num_blocks * bytes_per_block(mc, cfg.block_size, self.model.dtype) / 2**20
+        placement = ("cores " + format_core_list(cfg.cpu_cores) + f" ({torch.get_num_threads()} threads)"
+                     if cfg.cpu_cores is not None and self.device.type == "cpu"
+                     else f"{torch.get_num_threads()} threads, unpinned" if self.device.type == "cpu" else "")
+        log.info("draft model %s (%s, %d layers) on %s: %s; %s; KV cache %d tokens (%.1f MiB)", cfg.model,
+                 mc.architecture, mc.num_layers, self.device, description, placement, num_blocks * cfg.block_size,
+                 kv_mib)
+
+    def placement(self) -> tuple[set[int], int]:
+        """(CPU affinity, OpenMP thread count) of the worker thread, as the worker sees them."""
+        import os
+        return self.submit(lambda: (os.sched_getaffinity(0), torch.get_num_threads())).result()
+
+    # ---- on the worker thread -----------------------------------------------------------
+    def sync(self, request_id: str, token_ids: list[int]) -> DraftSequence:
+        """The request's DraftSequence lined up with the committed `token_ids`.
+
+        When the committed tokens are a prefix of what the worker holds (it drafted ahead
+        and the target agreed), everything is kept: the tokens past them are a head start.
+        Otherwise KV is kept for the longest common prefix (at most all but the last
+        committed token, whose logits the next forward needs) and the rest is dropped."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            seq = self.sequences[request_id] = DraftSequence([])
+        old, n = seq.token_ids, len(token_ids)
+        if len(old) > n and old[seq.num_committed:n] == token_ids[seq.num_committed:n]:
+            seq.num_committed = n
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(old) - 1)
+            return seq
+        limit = min(seq.num_computed_tokens, n)
+        common = min(seq.num_committed, limit)  # committed tokens never change
+        while common < limit and old[common] == token_ids[common]:
+            common += 1
+        seq.token_ids = list(token_ids)
+        seq.num_committed = n
+        seq.num_computed_tokens = min(common, n - 1)
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        return seq
+
+    def truncate(self, seq: DraftSequence, num_tokens: int) -> None:
+        """Forget seq's tokens from num_tokens on (they were drafts nobody will use)."""
+        del seq.token_ids[num_tokens:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+
+    def can_run(self, seq: DraftSequence) -> bool:
+        """Whether the pool has blocks for seq's uncomputed tokens."""
+        return self.block_manager.can_allocate(seq, len(seq.token_ids) - seq.num_computed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[DraftSequence]) -> torch.Tensor:
+        """Run every sequence's uncomputed tokens (its last token again when all are
+        computed); logits [B, V] (float32) at each last token."""
+        start = self._busy_since = time.perf_counter()
+        for seq in seqs:
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        num_new = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
+        try:
+            for seq, n in zip(seqs, num_new):
+                self.block_manager.may_append(seq, n)
+            logits = self.runner.execute(seqs, num_new, [True] * len(seqs))  # [B, V]
+        finally:
+            end = time.perf_counter()
+            self._busy_intervals.append((start, end))
+            self._busy_since = None
+            self.busy_seconds += end - start
+            self.num_forwards += 1
+        for seq, n in zip(seqs, num_new):
+            seq.num_computed_tokens += n
+        return logits
+
+    def busy_between(self, t0: float, t1: float) -> float:
+        """Seconds of forward passes within [t0, t1] (perf_counter), from any thread."""
+        total = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in list(self._busy_intervals))
+        since = self._busy_since
+        if since is not None:
+            total += max(0.0, min(time.perf_counter(), t1) - max(since, t0))
+        return total
+
+    def release(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
