@@ -104,7 +104,11 @@ class _SpeculationCollector:
                  stats.num_recovered_tokens),
                 ("heterospec_target_forward_passes", "Target model forward passes (engine steps)", stats.num_steps),
                 ("heterospec_target_tokens", "Tokens the target ran, draft nodes included",
-                 stats.num_target_tokens)):
+                 stats.num_target_tokens),
+                ("heterospec_draft_busy_seconds", "Time the draft worker computed", stats.draft_seconds),
+                ("heterospec_verify_busy_seconds", "Time the target computed", stats.verify_seconds),
+                ("heterospec_overlap_seconds", "Time draft worker and target computed at once "
+                 "(overlap fraction = this / verify busy)", stats.overlap_seconds)):
             yield CounterMetricFamily(name, documentation, value=value)
         per_position = CounterMetricFamily("heterospec_spec_accepted_per_position",
                                            "Verify steps that accepted a draft token at this depth", labels=["position"])

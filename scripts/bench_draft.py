@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import statistics
 import sys
 import time
 import types
@@ -101,6 +102,7 @@ class DraftMeasure(Measure):
     draft_seconds: float = 0.0  # draft worker busy time over the row's timed runs
     draft_forwards: int = 0
     overlap_seconds: float | None = None  # draft and verify at once (engine stats), when measured
+    steps: list = field(default_factory=list)  # the engine's StepTiming of each step of the timed runs
 
     @property
     def wall_seconds(self) -> float:
@@ -129,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts for the concurrency "
                                                            "table; '' for none (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV cache size (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="engine KV cache size (default: %(default)s)")
     p.add_argument("--no-adaptive-speculation", dest="adaptive", action="store_false",
                    help="engine: always propose the full draft instead of sizing it from measured acceptance")
     args = p.parse_args(argv)
@@ -257,11 +259,15 @@ def time_engine(llm: LLM, system: System, messages: list, max_tokens: int, m: Dr
     worker, stats = system.worker, llm.engine.stats
     busy, forwards = (worker.busy_seconds, worker.num_forwards) if worker else (0.0, 0)
     overlap = overlap_seconds(stats)
+    num_steps = stats.num_steps
     tokens, seconds, results = 0, 0.0, []
     for conv in messages:
         n, sec, res = run_engine(llm, [conv], max_tokens)
         tokens, seconds, results = tokens + n, seconds + sec, results + res
     m.rounds.append((tokens, seconds))
+    new_steps = stats.num_steps - num_steps
+    if hasattr(stats, "timeline") and 0 < new_steps <= len(stats.timeline):
+        m.steps.extend(list(stats.timeline)[-new_steps:])
     m.outputs = m.outputs or [r.token_ids for r in results]
     if worker:
         m.draft_seconds += worker.busy_seconds - busy
@@ -295,7 +301,16 @@ def single_row(s: System, m: DraftMeasure, measures: dict) -> tuple:
     overlap = m.overlap_seconds / m.wall_seconds if m.overlap_seconds is not None and m.wall_seconds else None
     return (s.label, f"{m.rate:.1f}", ratio(m.rate, rate("plain")), ratio(m.rate, rate("hf")),
             ratio(m.rate, rate("hf-assisted")), fmt(m.acceptance_length, ".2f"), fmt(ms, ".1f"),
-            fmt(overlap, ".0%"), same)
+            fmt(overlap, ".0%"), step_split(m.steps), same)
+
+
+def step_split(steps: list) -> str:
+    """Median ms per step: draft worker busy / target busy / neither ("-" for HF rows)."""
+    if not steps:
+        return "-"
+    med = lambda values: statistics.median(values) * 1000  # noqa: E731
+    return (f"{med([t.draft for t in steps]):.0f} / {med([t.verify for t in steps]):.0f} / "
+            f"{med([t.idle for t in steps]):.0f}")
 
 
 def print_header(args, llm: LLM, variants: dict, ids: list[list[int]], mismatched: list[int]) -> None:
@@ -320,10 +335,12 @@ def print_header(args, llm: LLM, variants: dict, ids: list[list[int]], mismatche
 def print_single(systems: list[System], measures: dict) -> None:
     print("\n#### Single stream (one request at a time)\n")
     header = ("system", "tok/s", "vs ours plain", "vs HF plain", "vs HF assisted", "mean accept len",
-              "draft ms/forward", "overlap", "same output as ours plain")
+              "draft ms/forward", "overlap", "step ms: draft / verify / idle", "same output as ours plain")
     print_table(header, [single_row(s, measures[s.key], measures) for s in systems])
     print("\nMean accept len = 1 + accepted / verify steps; draft ms/forward = draft worker busy time / draft "
-          "forwards; overlap = time draft and verify ran at once / wall time (when the engine measures it). "
+          "forwards; overlap = time draft and verify ran at once / wall time (when the engine measures it); "
+          "step ms = medians over the row's engine steps of draft worker busy, target busy and neither "
+          "(scheduling, sampling, commit, waiting) within the step. "
           "'same output' counts prompts whose tokens equal ours plain (greedy is lossless up to kernel-shape "
           "differences in bf16).")
     if HF_OVERSHOOT:

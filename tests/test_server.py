@@ -39,7 +39,8 @@ METRIC_NAMES = ("heterospec_requests_total", "heterospec_generation_tokens_total
                 "heterospec_num_requests_waiting", "heterospec_kv_cache_used_blocks",
                 "heterospec_kv_cache_free_blocks", "heterospec_spec_draft_tokens_total",
                 "heterospec_spec_accepted_tokens_total", "heterospec_spec_verify_steps_total",
-                "heterospec_spec_accepted_per_position_total", "heterospec_target_forward_passes_total")
+                "heterospec_spec_accepted_per_position_total", "heterospec_target_forward_passes_total",
+                "heterospec_verify_busy_seconds_total", "heterospec_overlap_seconds_total")
 ABORTED = 'heterospec_requests_total{finish_reason="abort"}'
 
 

@@ -202,3 +202,31 @@ def test_probes_refresh_a_stale_cost_estimate_one_sequence_a_step():
             controller.observe_step(3, 0.045, has_drafts=False)
     assert totals[:3] == [0, 0, 0] and totals[3] == 8  # a full-size probe, one sequence only
     assert all(t >= 6 for t in totals[-10:])  # drafting is back
+
+
+def test_draft_time_per_depth_shortens_and_stops_drafts():
+    """A draft model costs a forward per depth: drafts get as deep as that pays against
+    expected tokens (1 - a^(k+1)) / (1 - a), and none when a draft forward costs about as
+    much as the target step it saves."""
+    def budget(draft_per_depth: float, rate: float) -> int:
+        controller = SpeculationController(probe_interval=10**9)
+        for _ in range(20):
+            controller.observe_step(1, 0.3, has_drafts=False)
+            for k in range(1, 9):
+                controller.observe_step(1 + k, 0.3 + 1e-3 * k, has_drafts=True)
+                controller.observe_drafting(k, 0.01 + draft_per_depth * k)
+        controller.observe_verdict("r", 0, False)
+        controller.requests["r"].rate = rate
+        [k] = controller.budgets(["r"], [8])
+        return k
+
+    def best_k(draft_per_depth: float, rate: float) -> int:
+        def tokens_per_s(k):
+            seconds = 0.3 + 1e-3 * k + (0.01 + draft_per_depth * k if k else 0.0)
+            return (1 - rate ** (k + 1)) / (1 - rate) / seconds
+        return max(range(9), key=tokens_per_s)
+
+    for per_depth, rate in ((0.005, 0.9), (0.07, 0.9), (0.07, 0.6), (0.3, 0.6)):
+        assert abs(budget(per_depth, rate) - best_k(per_depth, rate)) <= 1, (per_depth, rate)
+    assert budget(0.3, 0.6) == 0  # a draft forward as dear as a target step: no drafts
+    assert budget(0.005, 0.9) >= 6
