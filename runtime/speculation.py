@@ -12,10 +12,10 @@ Two things are measured as the engine runs:
     SmolLM2 in bf16: 1 token 48 ms, 2 tokens 58 ms, 16 tokens 62 ms, as oneDNN leaves
     its matrix-vector kernel), which one line through both would hide.
 
-A third fit is the proposers' own drafting time against the depth drafted (a draft model
+A third measure is the proposers' own drafting time per depth drafted (a draft model
 runs one forward per depth, for all its sequences at once; n-gram lookups cost about
-nothing), so a step's predicted time is drafting to the deepest budget plus verifying
-all tokens.
+nothing), an exponential average of seconds / depth, so a step's predicted time is
+drafting to the deepest budget plus verifying all tokens.
 
 A sequence's j-th draft token (a chain, or the j-th node of a tree) adds a^j expected
 tokens. All draft tokens of the step are ordered by that gain, and the step takes the
@@ -23,11 +23,13 @@ prefix of that order that maximises expected tokens per predicted second (none a
 when plain decoding is faster). So drafts are long when acceptance is high and
 verification is cheap, shrink as the batch grows, and stop for a sequence whose drafts
 keep missing. A sequence left without drafts for `probe_interval` steps (for either
-reason) gets a probe, a full-size draft (one sequence a step at most): without probes a
-stale estimate (of its acceptance, or of the cost of drafted steps, measured in a noisy
-moment) could switch speculation off for good, and a full-size probe measures both where
-the engine would operate. When speculation does not pay, probes cost about
-1/probe_interval of a verify step's extra time.
+reason) gets a probe, a full-size draft: without probes a stale estimate (of its
+acceptance, or of the cost of drafted steps, measured in a noisy moment) could switch
+speculation off for good, and a full-size probe measures both where the engine would
+operate. Probes are spaced so that they cost at most `probe_budget` of the time (one
+sequence per probe, and with a draft model a probe's draft forwards count), and at most
+8 x probe_interval steps apart, so when speculation does not pay, probing costs a few
+percent.
 """
 from __future__ import annotations
 
@@ -78,14 +80,18 @@ class _Acceptance:
 
 class SpeculationController:
     def __init__(self, adaptive: bool = True, prior_acceptance: float = 0.6, smoothing: float = 0.2,
-                 probe_interval: int = 8):
+                 probe_interval: int = 8, probe_budget: float = 0.05, draft_decay: float = 0.8):
         self.adaptive = adaptive
         self.prior_acceptance = prior_acceptance
         self.smoothing = smoothing
         self.probe_interval = probe_interval
+        self.probe_budget = probe_budget
+        self.draft_decay = draft_decay
+        self.steps_since_probe = 0
+        self._probing = False  # the step being planned drafts only for a probe
         self.cost = StepCostModel()  # steps that verified drafts
         self.plain_cost = StepCostModel()  # steps without drafts
-        self.draft_cost = StepCostModel(prior_ratio=0.5)  # proposing: seconds against the depth drafted
+        self.draft_seconds_per_depth: float | None = None  # proposing: EW mean of seconds / depth drafted
         self.requests: dict[str, _Acceptance] = {}
 
     def acceptance(self, request_id: str) -> float:
@@ -102,10 +108,9 @@ class SpeculationController:
 
     def draft_seconds(self, depth: int) -> float:
         """Predicted time to propose drafts up to `depth` deep (0 when nothing is drafted)."""
-        if depth == 0 or not self.draft_cost.has_data:
+        if depth == 0 or self.draft_seconds_per_depth is None:
             return 0.0
-        intercept, per_depth = self.draft_cost.coefficients()
-        return intercept + per_depth * depth
+        return self.draft_seconds_per_depth * depth
 
     def budgets(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft nodes per sequence this step, each at most its cap."""
@@ -138,17 +143,36 @@ class SpeculationController:
         budgets = [0] * len(caps)
         for _, i in gains[:best_k]:
             budgets[i] += 1
-        probed = False  # at most one probe a step, so probing stays cheap in a large batch
+        self.steps_since_probe += 1
+        waiting = []  # sequences due for a probe
         for i, request_id in enumerate(request_ids):
             state = self.requests.setdefault(request_id, _Acceptance(self.prior_acceptance))
             if budgets[i] or not caps[i]:
                 continue
             state.steps_without_draft += 1
-            if state.steps_without_draft >= self.probe_interval and not probed:
-                budgets[i] = caps[i]
-                state.steps_without_draft = 0
-                probed = True
+            if state.steps_without_draft >= self.probe_interval:
+                waiting.append(i)
+        self._probing = False
+        if waiting and self.steps_since_probe >= self._probe_spacing(base, max(caps[i] for i in waiting)):
+            i = max(waiting, key=lambda j: self.requests[request_ids[j]].steps_without_draft)
+            self._probing = not any(budgets)
+            budgets[i] = caps[i]
+            self.requests[request_ids[i]].steps_without_draft = 0
+            self.steps_since_probe = 0
         return budgets
+
+    def _probe_spacing(self, num_tokens: int, cap: int) -> int:
+        """Steps between probes so that a probe's extra time stays within probe_budget, at
+        most 8 x probe_interval. The extra time is the proposer's drafting plus the verify
+        tokens at the plain steps' marginal cost: the drafted steps' fit may be the stale
+        estimate the probe is there to refresh."""
+        plain = self.step_seconds(num_tokens, 0)
+        if plain <= 0:
+            return self.probe_interval
+        per_token = (self.plain_cost if self.plain_cost.has_data else self.cost).coefficients()[1]
+        extra = per_token * cap + self.draft_seconds(cap)
+        spacing = int(extra / (self.probe_budget * plain)) + 1
+        return min(max(self.probe_interval, spacing), 8 * self.probe_interval)
 
     def observe_verdict(self, request_id: str, num_accepted: int, rejected: bool) -> None:
         """A verify step accepted num_accepted draft tokens, then (if rejected) missed one."""
@@ -159,11 +183,18 @@ class SpeculationController:
 
     def observe_step(self, num_tokens: int, seconds: float, has_drafts: bool = True) -> None:
         """A decode step (proposing excluded) ran num_tokens tokens in `seconds`."""
+        if has_drafts and self._probing and self.cost.has_data:
+            predicted = self.step_seconds(num_tokens, 1)
+            if not 0.5 * predicted <= seconds <= 2 * predicted:  # the probe finds the fit stale: start over
+                self.cost = StepCostModel()
+        self._probing = False
         (self.cost if has_drafts else self.plain_cost).observe(num_tokens, seconds)
 
     def observe_drafting(self, depth: int, seconds: float) -> None:
         """Proposers took `seconds` to draft trees at most `depth` deep."""
-        self.draft_cost.observe(depth, seconds)
+        per_depth = seconds / depth
+        old = self.draft_seconds_per_depth
+        self.draft_seconds_per_depth = per_depth if old is None else old + (1 - self.draft_decay) * (per_depth - old)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

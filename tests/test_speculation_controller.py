@@ -186,7 +186,8 @@ def test_first_draft_token_pays_the_jump_from_plain_to_verify_steps():
 
 def test_probes_refresh_a_stale_cost_estimate_one_sequence_a_step():
     """Drafted steps once measured (in a noisy moment) at 10x their cost switch drafting off;
-    full-size probes, one sequence a step at most, measure them again and drafting comes back."""
+    full-size probes of one sequence, spaced by their predicted cost but at most
+    8 x probe_interval steps apart, measure them again and drafting comes back."""
     controller = SpeculationController(prior_acceptance=0.8, probe_interval=4)
     for _ in range(5):
         controller.observe_step(3, 0.045, has_drafts=False)
@@ -200,7 +201,8 @@ def test_probes_refresh_a_stale_cost_estimate_one_sequence_a_step():
             controller.observe_step(3 + sum(budgets), 0.05 + 0.0003 * sum(budgets), has_drafts=True)
         else:
             controller.observe_step(3, 0.045, has_drafts=False)
-    assert totals[:3] == [0, 0, 0] and totals[3] == 8  # a full-size probe, one sequence only
+    first_probe = next(i for i, t in enumerate(totals) if t)
+    assert 3 <= first_probe <= 32 and totals[first_probe] == 8  # a full-size probe, one sequence only
     assert all(t >= 6 for t in totals[-10:])  # drafting is back
 
 
