@@ -69,7 +69,10 @@ def make_engine(draft_model: str, **kwargs):
 @pytest.fixture(scope="module")
 def self_draft_engine():
     # chains: a tree's siblings of a correct draft token are rejected by construction
-    engine = make_engine("smollm2-135m", draft_dtype="float32", draft_backend="torch", speculative_tree_width=1)
+    # and a fixed draft size: the draft is as dear as the target, so adaptive sizing would
+    # (rightly) draft little; these tests are about the proposer and the worker
+    engine = make_engine("smollm2-135m", draft_dtype="float32", draft_backend="torch", speculative_tree_width=1,
+                         adaptive_speculation=False)
     yield engine
     engine.close()
 
@@ -176,14 +179,10 @@ def test_sampled_requests_are_reproducible_with_fixed_drafts(self_draft_engine):
     """Seeded sampling with draft probabilities: the same drafts give the same tokens (with
     adaptive sizing the tree shapes, and so the number of draws, follow measured costs; the
     law of the output is the target's either way, tests/test_rejection_sampler.py)."""
-    engine = self_draft_engine
+    engine = self_draft_engine  # fixed draft sizes
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
-    engine.spec_controller.adaptive = False
-    try:
-        first = run_to_completion(engine, PROMPTS[:2], params)
-        again = run_to_completion(engine, PROMPTS[:2], params)
-    finally:
-        engine.spec_controller.adaptive = True
+    first = run_to_completion(engine, PROMPTS[:2], params)
+    again = run_to_completion(engine, PROMPTS[:2], params)
     assert first == again
     assert all(len(t) == 24 for t in first)
 
