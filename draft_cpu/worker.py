@@ -16,6 +16,7 @@ forward). So rollback after a rejected draft costs nothing.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -103,7 +104,6 @@ class DraftWorker:
 
     def placement(self) -> tuple[set[int], int]:
         """(CPU affinity, OpenMP thread count) of the worker thread, as the worker sees them."""
-        import os
         return self.submit(lambda: (os.sched_getaffinity(0), torch.get_num_threads())).result()
 
     # ---- on the worker thread -----------------------------------------------------------

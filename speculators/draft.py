@@ -40,6 +40,15 @@ from speculators.tree import DraftTree
 log = logging.getLogger("speculators.draft")
 
 
+@dataclass(slots=True)
+class _Node:
+    value: float  # path probability under the draft (siblings capped by earlier siblings)
+    depth: int
+    token: int
+    parent: int  # node index, -1 = the root
+    q: torch.Tensor | None  # [V] the distribution the token was drawn from (sampled requests)
+
+
 class _Drafting:
     """One sequence's draft in progress."""
 
@@ -50,7 +59,7 @@ class _Drafting:
         self.seq = seq
         self.generator = generator
         self.base = len(request.token_ids)  # position of the chain's first token
-        self.nodes: list[tuple[float, int, int, int, torch.Tensor | None]] = []  # (value, depth, token, parent node, q)
+        self.nodes: list[_Node] = []
         self.chain: list[int] = []  # node indices of the main chain
         self.path_prob = 1.0
 
@@ -58,7 +67,7 @@ class _Drafting:
         return self.chain[-1] if self.chain else -1
 
     def chain_tokens(self) -> list[int]:
-        return [self.nodes[i][2] for i in self.chain]
+        return [self.nodes[i].token for i in self.chain]
 
 
 @dataclass(slots=True)
@@ -134,7 +143,7 @@ class DraftModelProposer(Proposer):
         while active:
             for s in active:  # the chain's last token joins the sequence, unless drafted ahead already
                 if s.chain and len(s.seq.token_ids) == s.base + len(s.chain) - 1:
-                    s.seq.token_ids.append(s.nodes[s.chain[-1]][2])
+                    s.seq.token_ids.append(s.nodes[s.chain[-1]].token)
             active = [s for s in active if worker.can_run(s.seq)]
             if not active:
                 break
@@ -162,8 +171,6 @@ class DraftModelProposer(Proposer):
             self.num_ahead_used += 1
             if not self._should_deepen(state):
                 break
-        if ahead:
-            ahead.probs_at.clear()
 
     def _finish_chain(self, state: _Drafting) -> None:
         """The sequence ends with the whole main chain (ready to draft ahead from); what was
@@ -255,10 +262,10 @@ class DraftModelProposer(Proposer):
                 residual = residual.clone()
                 residual[token] = 0.0
                 residual = residual / residual.sum().clamp_min(1e-30)
-            state.nodes.append((value, depth, token, parent, draft_q))
+            state.nodes.append(_Node(value, depth, token, parent, draft_q))
             if i == 0:
                 state.chain.append(len(state.nodes) - 1)
-        state.path_prob = state.nodes[state.chain[-1]][0]
+        state.path_prob = state.nodes[state.chain[-1]].value
 
     def _should_deepen(self, state: _Drafting) -> bool:
         """Whether the chain goes one deeper: budget left, confident enough, and a deeper
@@ -266,20 +273,21 @@ class DraftModelProposer(Proposer):
         budget = state.request.max_nodes
         if len(state.chain) >= budget or state.path_prob < self.min_path_prob:
             return False
-        return sum(1 for node in state.nodes if node[0] > state.path_prob) < budget
+        return sum(1 for node in state.nodes if node.value > state.path_prob) < budget
 
     @staticmethod
     def _tree(state: _Drafting) -> DraftTree:
         """The best max_nodes nodes by path probability (parents first), as a DraftTree."""
-        order = sorted(range(len(state.nodes)), key=lambda i: (-state.nodes[i][0], state.nodes[i][1], i))
+        nodes = state.nodes
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
         keep = order[:state.request.max_nodes]
         new_index = {old: new for new, old in enumerate(keep)}
         tokens, parents, rows = [], [], []
         for old in keep:
-            _value, _depth, token, parent, q = state.nodes[old]
-            tokens.append(token)
-            parents.append(-1 if parent == -1 else new_index[parent])
-            rows.append(q)
+            node = nodes[old]
+            tokens.append(node.token)
+            parents.append(-1 if node.parent == -1 else new_index[node.parent])
+            rows.append(node.q)
         probs = None if state.generator is None else torch.stack(rows)  # [n, V]
         return DraftTree(tokens, parents, probs)
 
