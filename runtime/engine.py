@@ -234,9 +234,10 @@ class LLMEngine:
         cap = min(cap, params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return name, max(cap, 0)
 
-    def _propose(self) -> int:
+    def _propose(self) -> tuple[int, int]:
         """Give each decoding sequence of the running batch this step's draft tree; returns
-        the deepest tree's depth (0 when nothing was proposed)."""
+        the deepest tree's depth and the sum of the trees' depths ((0, 0) when nothing was
+        proposed)."""
         decoding, names, caps = [], [], []
         for seq in self.scheduler.running:
             seq.draft_tree = None
@@ -248,10 +249,10 @@ class LLMEngine:
                 names.append(name)
                 caps.append(cap)
         if not decoding:
-            return 0
+            return 0, 0
         budgets = self.spec_controller.budgets([s.request_id for s in decoding], caps)
         by_proposer: dict[str, list[tuple[Sequence, int]]] = {}
-        depth = 0
+        depth = sequence_depths = 0
         for seq, name, budget in zip(decoding, names, budgets):
             if budget > 0:
                 by_proposer.setdefault(name, []).append((seq, budget))
@@ -269,7 +270,8 @@ class LLMEngine:
                 if len(tree):
                     seq.draft_tree = tree.truncated(budget)
                     depth = max(depth, seq.draft_tree.max_depth)
-        return depth
+                    sequence_depths += seq.draft_tree.max_depth
+        return depth, sequence_depths
 
     def _release(self, seq: Sequence) -> None:
         """seq has left for good: its proposer and the controller forget it."""
@@ -281,10 +283,10 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        depth = self._propose()
+        depth, sequence_depths = self._propose()
         proposed = time.perf_counter()
         if depth:
-            self.spec_controller.observe_drafting(depth, proposed - start)
+            self.spec_controller.observe_drafting(depth, sequence_depths, proposed - start)
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
         if batch.is_empty:

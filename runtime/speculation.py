@@ -12,10 +12,12 @@ Two things are measured as the engine runs:
     SmolLM2 in bf16: 1 token 48 ms, 2 tokens 58 ms, 16 tokens 62 ms, as oneDNN leaves
     its matrix-vector kernel), which one line through both would hide.
 
-A third measure is the proposers' own drafting time per depth drafted (a draft model
-runs one forward per depth, for all its sequences at once; n-gram lookups cost about
-nothing), an exponential average of seconds / depth, so a step's predicted time is
-drafting to the deepest budget plus verifying all tokens.
+A third measure is the proposers' own drafting time (a draft model runs one forward per
+depth, for all its sequences at once; n-gram lookups cost about nothing), fitted like
+the steps: one draft forward takes a + b * sequences in it. A step's predicted time is
+verifying all its tokens plus drafting: a per depth to the deepest budget, and b per
+sequence per depth (the sum of the budgets), so drafts shrink when a large batch makes
+the draft's forwards dear.
 
 A sequence's j-th draft token (a chain, or the j-th node of a tree) adds a^j expected
 tokens. All draft tokens of the step are ordered by that gain, and the step takes the
@@ -91,7 +93,7 @@ class SpeculationController:
         self._probing = False  # the step being planned drafts only for a probe
         self.cost = StepCostModel()  # steps that verified drafts
         self.plain_cost = StepCostModel()  # steps without drafts
-        self.draft_seconds_per_depth: float | None = None  # proposing: EW mean of seconds / depth drafted
+        self.draft_cost = StepCostModel(decay=draft_decay)  # one draft forward: seconds against its sequences
         self.requests: dict[str, _Acceptance] = {}
 
     def acceptance(self, request_id: str) -> float:
@@ -106,11 +108,13 @@ class SpeculationController:
         intercept, per_token = model.coefficients()
         return intercept + per_token * num_tokens
 
-    def draft_seconds(self, depth: int) -> float:
-        """Predicted time to propose drafts up to `depth` deep (0 when nothing is drafted)."""
-        if depth == 0 or self.draft_seconds_per_depth is None:
+    def draft_seconds(self, depth: int, sequence_depths: int) -> float:
+        """Predicted time to propose drafts at most `depth` deep whose depths sum to
+        sequence_depths (0 when nothing is drafted)."""
+        if depth == 0 or not self.draft_cost.has_data:
             return 0.0
-        return self.draft_seconds_per_depth * depth
+        per_forward, per_sequence = self.draft_cost.coefficients()
+        return per_forward * depth + per_sequence * sequence_depths
 
     def budgets(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft nodes per sequence this step, each at most its cap."""
@@ -137,7 +141,7 @@ class SpeculationController:
             expected += gain
             depth_of[i] += 1
             depth = max(depth, depth_of[i])
-            rate = expected / (self.step_seconds(base + k, k) + self.draft_seconds(depth))
+            rate = expected / (self.step_seconds(base + k, k) + self.draft_seconds(depth, k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         budgets = [0] * len(caps)
@@ -170,7 +174,7 @@ class SpeculationController:
         if plain <= 0:
             return self.probe_interval
         per_token = (self.plain_cost if self.plain_cost.has_data else self.cost).coefficients()[1]
-        extra = per_token * cap + self.draft_seconds(cap)
+        extra = per_token * cap + self.draft_seconds(cap, cap)
         spacing = int(extra / (self.probe_budget * plain)) + 1
         return min(max(self.probe_interval, spacing), 8 * self.probe_interval)
 
@@ -190,11 +194,10 @@ class SpeculationController:
         self._probing = False
         (self.cost if has_drafts else self.plain_cost).observe(num_tokens, seconds)
 
-    def observe_drafting(self, depth: int, seconds: float) -> None:
-        """Proposers took `seconds` to draft trees at most `depth` deep."""
-        per_depth = seconds / depth
-        old = self.draft_seconds_per_depth
-        self.draft_seconds_per_depth = per_depth if old is None else old + (1 - self.draft_decay) * (per_depth - old)
+    def observe_drafting(self, depth: int, sequence_depths: int, seconds: float) -> None:
+        """Proposers took `seconds` to draft trees at most `depth` deep, whose depths sum
+        to sequence_depths: `depth` forwards of sequence_depths / depth sequences on average."""
+        self.draft_cost.observe(sequence_depths / depth, seconds / depth)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -216,7 +216,7 @@ def test_draft_time_per_depth_shortens_and_stops_drafts():
             controller.observe_step(1, 0.3, has_drafts=False)
             for k in range(1, 9):
                 controller.observe_step(1 + k, 0.3 + 1e-3 * k, has_drafts=True)
-                controller.observe_drafting(k, 0.01 + draft_per_depth * k)
+                controller.observe_drafting(k, k, 0.01 + draft_per_depth * k)
         controller.observe_verdict("r", 0, False)
         controller.requests["r"].rate = rate
         [k] = controller.budgets(["r"], [8])
@@ -232,3 +232,33 @@ def test_draft_time_per_depth_shortens_and_stops_drafts():
         assert abs(budget(per_depth, rate) - best_k(per_depth, rate)) <= 1, (per_depth, rate)
     assert budget(0.3, 0.6) == 0  # a draft forward as dear as a target step: no drafts
     assert budget(0.005, 0.9) >= 6
+
+
+def test_draft_forwards_dearer_with_the_batch_shorten_drafts():
+    """A draft forward of n sequences costs 0.02 + 0.01 n seconds: one sequence drafts
+    deep, sixteen draft shallower, each close to the best uniform depth found by search."""
+    controller = SpeculationController(probe_interval=10**9)
+    rng = random.Random(5)
+    for _ in range(300):
+        n, k = rng.randint(1, 16), rng.randint(1, 8)
+        controller.observe_step(n, 0.3 + 1e-3 * n, has_drafts=False)
+        controller.observe_step(n * (k + 1), 0.3 + 1e-3 * n * (k + 1), has_drafts=True)
+        controller.observe_drafting(k, n * k, k * (0.02 + 0.01 * n))
+    rate = 0.8
+
+    def best_uniform_k(n: int) -> int:
+        def tokens_per_s(k):
+            seconds = 0.3 + 1e-3 * n * (k + 1) + k * (0.02 + 0.01 * n)
+            return n * (1 - rate ** (k + 1)) / (1 - rate) / seconds
+        return max(range(9), key=tokens_per_s)
+
+    depths = {}
+    for n in (1, 16):
+        ids = [f"r{i}" for i in range(n)]
+        for rid in ids:
+            controller.observe_verdict(rid, 0, False)
+            controller.requests[rid].rate = rate
+        budgets = controller.budgets(ids, [8] * n)
+        depths[n] = max(budgets)
+        assert abs(depths[n] - best_uniform_k(n)) <= 1, (n, budgets, best_uniform_k(n))
+    assert depths[16] < depths[1]
