@@ -7,13 +7,12 @@ import torch
 
 from runtime.models.loader import DEFAULT_MODEL
 from runtime.sampling_params import SPECULATORS, check_speculator
-from speculators import check_available
 
 # Draft nodes per step when --num-speculative-tokens is not given, and tree width when
 # --speculative-tree-width is not (lookahead: extra nodes cost little to verify, and on the
 # input-grounded benchmark trees of width 3 beat chains, 2.65x against 1.99x plain decode).
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8, "draft": 6}
-DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3, "draft": 2}
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8, "draft": 6, "medusa": 16, "eagle": 16}
+DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3, "draft": 2, "medusa": 3, "eagle": 4}
 DRAFT_DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -52,6 +51,12 @@ class EngineConfig:
     draft_cpu_cores: str | None = None  # e.g. "0-15"; None: all but one core with a GPU target, unpinned on CPU
     draft_min_path_prob: float = 0.2  # stop a draft chain when its draft path probability falls below this
     draft_overlap: str = "auto"  # auto | on | off: draft ahead while the target verifies (auto: when on other cores)
+    # Medusa heads (speculator "medusa"; speculators/medusa.py), placed by draft_device / draft_dtype
+    medusa_heads: str | None = None  # checkpoint directory or .safetensors file (public Medusa layout)
+    medusa_tree: str | None = None  # JSON list of top-k rank paths; None: every path with ranks summing to <= 2
+    # the EAGLE head (speculator "eagle"; speculators/eagle.py), placed by draft_device / draft_dtype
+    eagle_head: str | None = None  # checkpoint directory or file (public EAGLE layout)
+    eagle_depth: int = 5  # EAGLE-2: expansion steps (the deepest draft); the tree width is its top-k
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -65,7 +70,6 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         check_speculator(self.speculator)
-        check_available(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_tree_width is not None and self.speculative_tree_width < 1:
@@ -77,6 +81,14 @@ class EngineConfig:
             raise ValueError(f"lookahead_global_nodes must be >= 0, got {self.lookahead_global_nodes}")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("speculator 'draft' needs a draft model: --draft-model PATH (or draft_model=...)")
+        if self.speculator == "eagle" and not self.eagle_head:
+            raise ValueError("speculator 'eagle' needs a trained head: --eagle-head DIR (or eagle_head=...; "
+                             "scripts/train_eagle.py trains one)")
+        if self.eagle_depth < 1:
+            raise ValueError(f"eagle_depth must be >= 1, got {self.eagle_depth}")
+        if self.speculator == "medusa" and not self.medusa_heads:
+            raise ValueError("speculator 'medusa' needs trained heads: --medusa-heads DIR (or medusa_heads=...; "
+                             "scripts/train_medusa.py trains them)")
         if self.draft_device not in DRAFT_DEVICES and not self.draft_device.startswith("cuda:"):
             raise ValueError(f"draft_device must be auto, cpu or cuda, got {self.draft_device!r}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -149,8 +161,8 @@ def add_speculation_args(parser) -> None:
     d = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", choices=SPECULATORS,
-                   help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model; eagle "
-                        "and medusa are not available yet)")
+                   help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model, medusa "
+                        "--medusa-heads, eagle --eagle-head)")
     g.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens (tree nodes) verified per sequence per step; default: "
                         + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()))
@@ -168,7 +180,7 @@ def add_speculation_args(parser) -> None:
                    help="speculator draft: the draft model (alias, .gguf file or HF directory) with the target's "
                         "vocabulary")
     g.add_argument("--draft-device", choices=DRAFT_DEVICES,
-                   help="where the draft model runs (default: auto = the CPU, unless the target is on a GPU and "
+                   help="where the draft model (or the Medusa or EAGLE heads) runs (default: auto = the CPU, unless the target is on a GPU and "
                         "fewer than 4 cores are available)")
     g.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="draft model dtype (default: auto = the target's on the same device, else bfloat16 on "
@@ -187,6 +199,18 @@ def add_speculation_args(parser) -> None:
     g.add_argument("--draft-overlap", choices=("auto", "on", "off"),
                    help="keep drafting while the target verifies (default: auto = on when the draft has its own "
                         "device or cores)")
+    g.add_argument("--medusa-heads",
+                   help="speculator medusa: trained heads (a directory or .safetensors file in the public Medusa "
+                        "layout; scripts/train_medusa.py makes them); they run where --draft-device says")
+    g.add_argument("--medusa-tree",
+                   help="speculator medusa: the candidate tree, a JSON list of top-k rank paths such as "
+                        "[[0], [0, 0], [1]] (default: every path whose ranks sum to at most 2)")
+    g.add_argument("--eagle-head",
+                   help="speculator eagle: a trained EAGLE head (a directory or file in the public EAGLE layout; "
+                        "scripts/train_eagle.py makes one); it runs where --draft-device says")
+    g.add_argument("--eagle-depth", type=int,
+                   help=f"speculator eagle: EAGLE-2 expansion steps, the deepest draft (default: {d['eagle_depth']}); "
+                        "--speculative-tree-width is the top-k expanded per step")
     g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
                    help="always propose --num-speculative-tokens instead of sizing drafts from measured "
                         "acceptance and step costs")
@@ -195,4 +219,4 @@ def add_speculation_args(parser) -> None:
 SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min",
                     "prompt_lookup_max", "lookahead_global_nodes", "adaptive_speculation", "draft_model",
                     "draft_device", "draft_dtype", "draft_backend", "draft_quantization", "draft_cpu_cores",
-                    "draft_min_path_prob", "draft_overlap")
+                    "draft_min_path_prob", "draft_overlap", "medusa_heads", "medusa_tree", "eagle_head", "eagle_depth")

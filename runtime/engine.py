@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer, DetokenizerState, find_stop
@@ -141,7 +143,7 @@ class LLMEngine:
         self.proposers: dict[str, Proposer] = {}
         self.spec_controller = SpeculationController(adaptive=config.adaptive_speculation)
         self.target_info = TargetInfo(mc.vocab_size, self.tokenizer, self.device, self.dtype, capacity,
-                                      config.max_num_seqs, config.seed)
+                                      config.max_num_seqs, config.seed, self.model)
         if config.speculator != "none":
             self._proposer(config.speculator)  # fail at start on a bad setting
         if config.draft_model:
@@ -259,8 +261,11 @@ class LLMEngine:
         for name, group in by_proposer.items():
             width = self.config.tree_width(name)
             requests = [ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, budget, width,
-                                        seq.params, seq.generator, seq.last_logits, seq.last_hidden)
+                                        seq.params, seq.generator, seq.last_logits, seq.last_hidden,
+                                        seq.pending_features)
                         for seq, budget in group]
+            for seq, _ in group:  # the proposer has them now
+                seq.pending_features = []
             try:
                 trees = self._proposer(name).propose(requests)
             except Exception:  # a failing proposer costs its drafts, never the step
@@ -295,20 +300,23 @@ class LLMEngine:
                  for seq, n in zip(batch.seqs, batch.num_draft_tokens)]
         needs_logits = [seq.num_computed_tokens + n == seq.num_tokens
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        want_hidden = any(p.needs_hidden_states for p in self.proposers.values())
+        want_features = any(p.needs_features for p in self.proposers.values())
+        want_hidden = want_features or any(p.needs_hidden_states for p in self.proposers.values())
         drafting_ahead = self._draft_ahead(batch.seqs, trees)
         verify_start = time.perf_counter()
         try:
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens, needs_logits, trees,
-                                         return_hidden=want_hidden)  # [R, V] (, [R, H])
+                                         return_hidden="all" if want_features else want_hidden)
         finally:
             verify_end = time.perf_counter()
             for done in drafting_ahead:
                 done.set()
-        logits, hidden = logits if want_hidden else (logits, None)
+        logits, hidden = logits if want_hidden else (logits, None)  # [R, V], [R or T, H]
         sampled = [i for i, needed in enumerate(needs_logits) if needed]
         verdicts = self.sampler(logits, [trees[i] for i in sampled], [batch.seqs[i].params for i in sampled],
                                 [batch.seqs[i].generator for i in sampled])
+        if want_features:
+            hidden = self._keep_features(batch, trees, needs_logits, verdicts, hidden)
         if want_hidden or any(p.needs_logits for p in self.proposers.values()):
             self._keep_last_outputs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts,
                                     logits, hidden)
@@ -350,6 +358,27 @@ class LLMEngine:
         stats.verify_seconds += timing.verify
         stats.overlap_seconds += timing.overlap
         stats.timeline.append(timing)
+
+    def _keep_features(self, batch: ScheduledBatch, trees: list[DraftTree], needs_logits: list[bool],
+                       verdicts: list[Verdict], hidden: torch.Tensor) -> torch.Tensor:
+        """Queue, for sequences whose proposer reads features (EAGLE), the target's hidden
+        state of every token this step commits (prefill tokens, a tree's root and accepted
+        nodes); hidden [T, H] holds every token run. Returns the rows of the logits [R, H]."""
+        next_verdict = iter(verdicts)
+        row = 0
+        logit_rows = []
+        for seq, n, tree, needed in zip(batch.seqs, batch.num_new_tokens, trees, needs_logits):
+            verdict = next(next_verdict) if needed else None
+            if needed:
+                logit_rows.extend(range(row + n - 1, row + n + len(tree)))
+            proposer = self.proposers.get(self._speculator_of(seq)[0])
+            if proposer is not None and proposer.needs_features:
+                rows = list(range(row, row + n))
+                if verdict is not None and len(tree):
+                    rows += [row + 1 + node for node in verdict.accepted_nodes]
+                seq.pending_features.append((seq.num_computed_tokens, hidden[rows]))
+            row += n + len(tree)
+        return hidden[logit_rows]
 
     @staticmethod
     def _keep_last_outputs(seqs: list[Sequence], trees: list[DraftTree], verdicts: list[Verdict],

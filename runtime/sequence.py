@@ -118,6 +118,9 @@ class Sequence:
     # the target's output for the last token, kept only when a proposer asks for it
     last_logits: torch.Tensor | None = None  # [V]
     last_hidden: torch.Tensor | None = None  # [H]
+    # the target's hidden states of committed tokens not yet handed to a proposer that reads
+    # features (EAGLE): (first position, [n, H]) per step
+    pending_features: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self) -> None:

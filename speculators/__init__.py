@@ -1,6 +1,8 @@
 """Proposers behind one interface (speculators.base): prompt lookup (`ngram`), the
-Lookahead Cache (`lookahead`), a draft model (`draft`, run by draft_cpu's worker);
-EAGLE and Medusa come next.
+Lookahead Cache (`lookahead`), a draft model (`draft`, run by draft_cpu's worker), Medusa
+heads on the target's hidden state (`medusa`), and an EAGLE head drafting EAGLE-2 trees
+from the target's features (`eagle`). Medusa and EAGLE heads are trained by
+self-distillation (speculators/training.py).
 
 `build_proposer(name, config, target)` makes one from the engine's settings
 (runtime.config.EngineConfig) and what it knows of the target (TargetInfo).
@@ -10,18 +12,7 @@ from __future__ import annotations
 from speculators.base import ProposalRequest, Proposer, TargetInfo
 from speculators.tree import DraftTree
 
-NOT_YET_AVAILABLE = ("eagle", "medusa")
-
-
-def check_available(name: str) -> None:
-    """ValueError unless a proposer of that name can be built (names: runtime.sampling_params.SPECULATORS)."""
-    if name in NOT_YET_AVAILABLE:
-        raise ValueError(f"speculator {name!r} is not available yet in this version; use ngram, lookahead "
-                         f"or draft")
-
-
 def build_proposer(name: str, config, target: TargetInfo) -> Proposer:
-    check_available(name)
     if name == "ngram":
         from speculators.ngram import NGramProposer
         return NGramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -33,7 +24,13 @@ def build_proposer(name: str, config, target: TargetInfo) -> Proposer:
     if name == "draft":
         from speculators.draft import build_draft_proposer
         return build_draft_proposer(config, target)
+    if name == "medusa":
+        from speculators.medusa import build_medusa_proposer
+        return build_medusa_proposer(config, target)
+    if name == "eagle":
+        from speculators.eagle import build_eagle_proposer
+        return build_eagle_proposer(config, target)
     raise ValueError(f"unknown speculator {name!r}")
 
 
-__all__ = ["DraftTree", "ProposalRequest", "Proposer", "TargetInfo", "build_proposer", "check_available"]
+__all__ = ["DraftTree", "ProposalRequest", "Proposer", "TargetInfo", "build_proposer"]

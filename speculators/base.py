@@ -9,7 +9,7 @@ caches), and `release` when a sequence leaves for good.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class ProposalRequest:
     generator: torch.Generator | None = None  # the request's own, for sampled drafting
     last_logits: torch.Tensor | None = None  # [V] the target's logits for the last token, when asked
     last_hidden: torch.Tensor | None = None  # [H] the target's hidden state there, when asked
+    # proposers with needs_features: the target's hidden states of the tokens committed since
+    # the last proposal, as (first position, [n, H]) pieces in order
+    new_features: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -41,12 +44,14 @@ class TargetInfo:
     num_kv_tokens: int  # the target's KV capacity in tokens
     max_num_seqs: int
     seed: int | None = None
+    model: object = None  # the target's DecoderModel (heads share its LM head and embeddings)
 
 
 class Proposer(ABC):
     name: str = "proposer"
     needs_logits = False  # whether ProposalRequest.last_logits must be filled
     needs_hidden_states = False
+    needs_features = False  # whether ProposalRequest.new_features must be filled (every committed token's)
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:

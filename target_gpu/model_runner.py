@@ -35,10 +35,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None,
-                return_hidden: bool = False):
+                return_hidden: bool | str = False):
         """Run the new tokens (and draft nodes) of `seqs`; return logits [R, V] for the rows
         asked for: the last new token when plain, the root and every node with a tree.
-        With return_hidden: (logits [R, V], final hidden states [R, H]) of those rows."""
+        With return_hidden: (logits [R, V], final hidden states [R, H]) of those rows; with
+        return_hidden="all": (logits [R, V], final hidden states [T, H] of every token run,
+        in input order: each sequence's new tokens, then its tree nodes)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -75,10 +77,12 @@ class ModelRunner:
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)
 
-        hidden = self.model(ids, pos, attention)  # [T, H]
+        all_hidden = self.model(ids, pos, attention)  # [T, H]
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        hidden = hidden.index_select(0, rows)  # [R, H]
+        hidden = all_hidden.index_select(0, rows)  # [R, H]
         logits = self.model.compute_logits(hidden)  # [R, V]
+        if return_hidden == "all":
+            return logits, all_hidden
         return (logits, hidden) if return_hidden else logits
 
     @torch.inference_mode()

@@ -1,0 +1,156 @@
+"""Medusa and EAGLE heads against plain decoding, the lookahead proposer and HF transformers, in one run.
+
+Heads are trained here first when their directories are missing (scripts/train_medusa.py and
+scripts/train_eagle.py, self-distillation on the shipped training prompts, sharing one corpus,
+--train-minutes each). Then, on held-out chat prompts (speculators/data/heldout_prompts.jsonl,
+none of them seen in training), greedy, single stream, every system in turn for --repeats
+interleaved rounds after a warm-up, the median round shown:
+
+  - HF plain:            transformers `generate`, greedy (the peer);
+  - ours plain:          speculator "none";
+  - ours Medusa:         the Medusa heads and their static tree;
+  - ours EAGLE (chain):  the EAGLE head, tree width 1;
+  - ours EAGLE-2 (tree): the EAGLE head, dynamic trees of --eagle-width;
+  - ours lookahead:      the lookahead proposer (tree width 3);
+with the heads on each of --head-devices (cpu, and cuda on a GPU box). Mean acceptance
+length is tokens per verify step (accepted drafts + the target's own token). Targets after
+CPU training: EAGLE-2 acceptance length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain.
+
+    .venv/bin/python scripts/bench_heads.py                               # trains (~40 min) then measures
+    .venv/bin/python scripts/bench_heads.py --limit 4 --max-tokens 32 --repeats 1   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from runtime import LLM  # noqa: E402
+from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
+from speculators.training import default_prompt_file, load_prompts  # noqa: E402
+
+from bench_decode import load_hf  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from bench_spec import Measure, System, add_metrics, print_table, ratio, run_engine, run_hf, use_system  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory (default: %(default)s)")
+    p.add_argument("--medusa-heads", default="models/medusa-smollm2", help="Medusa checkpoint; trained when missing")
+    p.add_argument("--eagle-head", default="models/eagle-smollm2", help="EAGLE checkpoint; trained when missing")
+    p.add_argument("--corpus", default="models/heads-corpus-smollm2.jsonl",
+                   help="the target's answers both trainings share (written when missing)")
+    p.add_argument("--train-minutes", type=float, default=20.0, help="training budget per head (default: 20)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens per request (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds; the median is shown (default: 2)")
+    p.add_argument("--limit", type=int, default=12, help="held-out prompts used (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="the target's device (default: cpu)")
+    p.add_argument("--head-devices", default=None, help="comma-separated devices for the heads (default: cpu, plus "
+                                                        "the target's device when it is not the CPU)")
+    p.add_argument("--eagle-width", type=int, default=4, help="EAGLE-2 top-k per expansion (default: 4)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return p.parse_args(argv)
+
+
+def ensure_heads(args) -> None:
+    common = ["--model", args.model, "--corpus", args.corpus, "--minutes", str(args.train_minutes),
+              "--device", args.device]
+    if not Path(args.medusa_heads).exists():
+        import train_medusa
+        print(f"training Medusa heads -> {args.medusa_heads}", file=sys.stderr)
+        train_medusa.main(common + ["--out", args.medusa_heads])
+    if not Path(args.eagle_head).exists():
+        import train_eagle
+        print(f"training the EAGLE head -> {args.eagle_head}", file=sys.stderr)
+        train_eagle.main(common + ["--out", args.eagle_head])
+
+
+def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None]]:
+    """(system, head device) pairs; the device is None for systems without heads."""
+    rows = [(System("hf", "HF plain"), None), (System("plain", "ours plain", "none"), None)]
+    for device in head_devices:
+        where = f" (heads on {device})"
+        rows += [(System(f"medusa-{device}", "ours Medusa" + where, "medusa", 3), device),
+                 (System(f"eagle-chain-{device}", "ours EAGLE chain" + where, "eagle", 1), device),
+                 (System(f"eagle-tree-{device}", f"ours EAGLE-2 tree (top-{args.eagle_width})" + where, "eagle",
+                         args.eagle_width), device)]
+    rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ensure_heads(args)
+    head_devices = ([d.strip() for d in args.head_devices.split(",")] if args.head_devices
+                    else ["cpu"] + ([args.device] if args.device != "cpu" else []))
+    prompts = load_prompts(default_prompt_file("heldout"), args.limit)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=0, medusa_heads=args.medusa_heads,
+              eagle_head=args.eagle_head)
+    hf = load_hf(args.model, DTYPES[args.dtype], args.device)
+    hf_tok = load_tokenizer(resolve_model(args.model))
+    eos_ids = list(llm.engine.model_config.eos_token_ids)
+    hf_ids = [list(hf_tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+    systems = make_systems(args, head_devices)
+
+    def select(system: System, device: str | None) -> None:
+        llm.engine.config.draft_device = device or "auto"
+        use_system(llm, system, True)
+
+    for system, device in systems:  # warm-up (and build each system's proposers on its device)
+        if system.is_hf:
+            run_hf(hf, hf_ids[0], 16, eos_ids, 0)
+        else:
+            select(system, device)
+            run_engine(llm, prompts[:1], 16)
+    measures = {s.key: Measure() for s, _ in systems}
+    for r in range(args.repeats):
+        for system, device in systems:
+            m = measures[system.key]
+            tokens = seconds = 0
+            if system.is_hf:
+                for ids in hf_ids:
+                    n, sec, _ = run_hf(hf, ids, args.max_tokens, eos_ids, 0)
+                    tokens, seconds = tokens + n, seconds + sec
+            else:
+                select(system, device)
+                for prompt in prompts:
+                    n, sec, results = run_engine(llm, [prompt], args.max_tokens)
+                    tokens, seconds = tokens + n, seconds + sec
+                    if system.speculator != "none":
+                        add_metrics(m, results)
+            m.rounds.append((tokens, seconds))
+            print(f"round {r + 1}/{args.repeats} {system.label:44s} {tokens:5d} tokens {seconds:7.2f} s "
+                  f"{tokens / seconds:7.1f} tok/s", file=sys.stderr)
+
+    print(f"\n### Medusa and EAGLE heads, {datetime.date.today().isoformat()}\n")
+    print(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}")
+    print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
+          f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on\n")
+    plain, hf_rate = measures["plain"].rate, measures["hf"].rate
+    rows = []
+    for system, _ in systems:
+        m = measures[system.key]
+        length = m.acceptance_length
+        rows.append((system.label, f"{m.rate:.1f}", ratio(m.rate, plain), ratio(m.rate, hf_rate),
+                     "-" if length is None else f"{length:.2f}"))
+    print_table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len"), rows)
+    rates = {k: statistics.median(n / s for n, s in m.rounds) for k, m in measures.items()}
+    tree = measures[f"eagle-tree-{head_devices[0]}"]
+    medusa = measures[f"medusa-{head_devices[0]}"]
+    print(f"\ntargets: EAGLE-2 acceptance length {tree.acceptance_length or 0:.2f} (>= 2.5), Medusa "
+          f"{medusa.acceptance_length or 0:.2f} (>= 1.8), EAGLE-2 {rates[f'eagle-tree-{head_devices[0]}'] / plain:.2f}x "
+          f"our plain (>= 1.8x)")
+
+
+if __name__ == "__main__":
+    main()

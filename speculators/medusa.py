@@ -1,0 +1,319 @@
+"""Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads"): K small heads on the target's last hidden state guess the
+tokens after the next one, and a static tree of their top candidates is verified in one
+target pass.
+
+Head k (k = 0..K-1) reads the final hidden state h_p (after the last norm) that gave the
+target's token at p + 1 and predicts the token at p + 2 + k: L residual blocks
+(x + SiLU(W x + b)) and then a vocabulary projection, its own or, as an option, the
+target's LM head (shared: no extra memory, and training only touches the small blocks).
+At proposal time the sequence ends with that token at p + 1 (the bonus or recovered
+token of the last step: the tree's root), so head k proposes the tree's depth k + 1.
+
+The tree is a list of paths of top-k ranks (Medusa's "choices": (0,) is head 0's best
+token, (0, 1) head 1's second best below it, ...), compiled once into parents and ranks.
+Per step and sequence its nodes get a value, the product of the heads' probabilities
+along the path, and the best `max_nodes` are kept (a child never outvalues its parent,
+so they form a tree); nodes ranked beyond the request's tree width are left out. The
+proposals are deterministic (one-hot), so the rejection sampler stays lossless for
+greedy and sampled requests alike. Medusa's "typical acceptance" is lossy and is not
+offered.
+
+Checkpoints use the public Medusa layout, names mapped explicitly:
+  medusa_head.{k}.{j}.linear.weight / .bias  (block j of head k, j < L)
+  medusa_head.{k}.{L}.weight                 (head k's projection; absent when shared)
+with a config.json of medusa_num_heads, medusa_num_layers (and here hidden_size,
+vocab_size, share_lm_head).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speculators.base import ProposalRequest, Proposer
+from speculators.tree import DraftTree
+
+log = logging.getLogger("speculators.medusa")
+
+Choice = tuple[int, ...]
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "medusa_lm_head.safetensors"
+
+
+# ---- the heads ------------------------------------------------------------------------------
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # a fresh head starts as the identity (Medusa's init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads; forward(hidden [N, H]) -> logits [N, K, V] (float32)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 shared_lm_head: nn.Module | None = None):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
+                                    for _ in range(num_heads))
+        self.lm_heads = None if shared_lm_head is not None else nn.ModuleList(
+            nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        self._shared = (shared_lm_head,)  # a tuple: not a submodule, so not in state_dict or parameters()
+
+    @property
+    def shares_lm_head(self) -> bool:
+        return self.lm_heads is None
+
+    def set_shared_lm_head(self, lm_head: nn.Module) -> None:
+        self._shared = (lm_head,)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> each head's input to its projection [N, K, H]."""
+        return torch.stack([block(hidden) for block in self.blocks], dim=1)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, K, H] -> logits [N, K, V] (float32)."""
+        if self.lm_heads is None:
+            return self._shared[0](features).float()
+        return torch.stack([head(features[:, k]) for k, head in enumerate(self.lm_heads)], dim=1).float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.project(self.features(hidden))
+
+    def config_dict(self) -> dict:
+        return {"architecture": "medusa", "medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "share_lm_head": self.shares_lm_head}
+
+
+# ---- checkpoints (public Medusa layout) ---------------------------------------------------------
+
+def to_public_names(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, block in enumerate(heads.blocks):
+        for j, res in enumerate(block):
+            out[f"medusa_head.{k}.{j}.linear.weight"] = res.linear.weight
+            out[f"medusa_head.{k}.{j}.linear.bias"] = res.linear.bias
+        if heads.lm_heads is not None:
+            out[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.lm_heads[k].weight
+    return out
+
+
+_PUBLIC_NAME = re.compile(r"^(?:.*\.)?medusa_head\.(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+def from_public_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Public names -> MedusaHeads.state_dict() names; ValueError on a name that fits neither."""
+    out = {}
+    for name, tensor in tensors.items():
+        match = _PUBLIC_NAME.match(name)
+        if match is None:
+            raise ValueError(f"unexpected tensor {name!r} in a Medusa checkpoint (expected medusa_head.K.J.*)")
+        k, j, leaf = int(match[1]), int(match[2]), match[3]
+        if leaf == "weight" and j == num_layers:
+            out[f"lm_heads.{k}.weight"] = tensor
+        elif leaf != "weight" and j < num_layers:
+            out[f"blocks.{k}.{j}.{leaf}"] = tensor
+        else:
+            raise ValueError(f"tensor {name!r} does not fit {num_layers} residual block(s) per head")
+    return out
+
+
+def save_heads(heads: MedusaHeads, directory: str | Path, extra_config: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in to_public_names(heads).items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME))
+    (directory / CONFIG_NAME).write_text(json.dumps({**heads.config_dict(), **(extra_config or {})}, indent=2))
+    return directory
+
+
+def _checkpoint_files(path: Path) -> tuple[Path, Path | None]:
+    """(weights file, config file or None) of a checkpoint directory or weights file."""
+    if path.is_dir():
+        candidates = sorted(path.glob("*.safetensors"))
+        if not candidates:
+            raise ValueError(f"no .safetensors file in Medusa checkpoint directory {str(path)!r}")
+        weights = path / WEIGHTS_NAME if (path / WEIGHTS_NAME).exists() else candidates[0]
+        config = path / CONFIG_NAME
+        return weights, config if config.exists() else None
+    if not path.exists():
+        raise ValueError(f"Medusa checkpoint {str(path)!r} does not exist")
+    config = path.parent / CONFIG_NAME
+    return path, config if config.exists() else None
+
+
+def load_heads(path: str | Path, hidden_size: int, vocab_size: int, lm_head: nn.Module) -> MedusaHeads:
+    """Heads from a checkpoint in the public layout, checked against the target's shapes;
+    lm_head is the target's, used when the checkpoint shares it."""
+    from safetensors.torch import load_file
+    weights_file, config_file = _checkpoint_files(Path(path))
+    tensors = load_file(str(weights_file))
+    config = json.loads(config_file.read_text()) if config_file else {}
+    indices = [_PUBLIC_NAME.match(n) for n in tensors]
+    if not tensors or not all(indices):
+        raise ValueError(f"{str(weights_file)!r} is not a Medusa checkpoint (expected medusa_head.K.J.* tensors)")
+    num_heads = int(config.get("medusa_num_heads", 1 + max(int(m[1]) for m in indices)))
+    num_layers = int(config.get("medusa_num_layers",
+                                1 + max((int(m[2]) for m in indices if m[3] != "weight"), default=-1)))
+    shared = bool(config.get("share_lm_head", not any(m[3] == "weight" for m in indices)))
+    for key, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if key in config and int(config[key]) != want:
+            raise ValueError(f"Medusa checkpoint {str(path)!r} has {key} {config[key]}, the target {want}")
+    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, lm_head if shared else None)
+    state = from_public_names(tensors, num_layers)
+    expected = heads.state_dict()
+    for name, tensor in state.items():
+        if name not in expected:
+            raise ValueError(f"Medusa checkpoint {str(path)!r}: {name!r} is beyond {num_heads} heads")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"Medusa checkpoint {str(path)!r}: {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"target needs {tuple(expected[name].shape)}")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"Medusa checkpoint {str(path)!r} lacks {', '.join(missing[:4])}"
+                         + (" ..." if len(missing) > 4 else ""))
+    heads.load_state_dict(state)
+    return heads
+
+
+# ---- the tree ----------------------------------------------------------------------------------
+
+def default_choices(num_heads: int, max_rank_sum: int = 2) -> list[Choice]:
+    """Every path of at most num_heads ranks whose ranks sum to at most max_rank_sum: the
+    best candidates of every head, and second or third choices where few others are
+    taken (for 4 heads: 3 + 6 + 10 + 15 = 34 nodes)."""
+    choices = []
+    for depth in range(1, num_heads + 1):
+        for path in itertools.product(range(max_rank_sum + 1), repeat=depth):
+            if sum(path) <= max_rank_sum:
+                choices.append(path)
+    return choices
+
+
+def load_choices(path: str | Path) -> list[Choice]:
+    """A JSON list of paths, e.g. [[0], [0, 0], [1], [0, 1]]."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the Medusa tree {str(path)!r}: {exc}") from exc
+    if not isinstance(raw, list) or not all(isinstance(c, list) and all(isinstance(i, int) for i in c) for c in raw):
+        raise ValueError(f"the Medusa tree {str(path)!r} must be a JSON list of lists of ints")
+    return [tuple(c) for c in raw]
+
+
+class CompiledTree:
+    """A choices list as nodes in (depth, path) order: parents [n] (-1 = the root),
+    depths [n] (1 = below the root) and ranks [n] (the node's rank in its head's top-k)."""
+
+    def __init__(self, choices: list[Choice]):
+        paths = sorted(set(tuple(c) for c in choices), key=lambda c: (len(c), c))
+        if len(paths) != len(choices):
+            raise ValueError("the Medusa tree lists a path twice")
+        index = {path: i for i, path in enumerate(paths)}
+        self.paths = paths
+        self.parents, self.depths, self.ranks = [], [], []
+        for path in paths:
+            if not path or min(path) < 0:
+                raise ValueError(f"Medusa tree path {list(path)} must be non-empty ranks >= 0")
+            parent = path[:-1]
+            if parent and parent not in index:
+                raise ValueError(f"Medusa tree path {list(path)} has no parent path {list(parent)}")
+            self.parents.append(index[parent] if parent else -1)
+            self.depths.append(len(path))
+            self.ranks.append(path[-1])
+        self.max_depth = max(self.depths, default=0)
+        self.top_k = 1 + max(self.ranks, default=0)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+# ---- the proposer ------------------------------------------------------------------------------
+
+class MedusaProposer(Proposer):
+    name = "medusa"
+    needs_hidden_states = True
+
+    def __init__(self, heads: MedusaHeads, tree: CompiledTree, device: torch.device):
+        if tree.max_depth > heads.num_heads:
+            raise ValueError(f"the Medusa tree is {tree.max_depth} deep but there are {heads.num_heads} heads")
+        self.heads = heads.eval()
+        self.tree = tree
+        self.device = device
+        self.dtype = next(heads.parameters()).dtype
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
+        rows = [i for i, r in enumerate(requests) if r.last_hidden is not None]
+        trees = [_EMPTY] * len(requests)
+        if not rows:
+            return trees
+        tree = self.tree
+        hidden = torch.stack([requests[i].last_hidden for i in rows]).to(self.device, self.dtype)  # [B, H]
+        logits = self.heads(hidden)[:, :tree.max_depth]  # [B, D, V]
+        top = logits.softmax(dim=-1).topk(tree.top_k, dim=-1)  # values, indices [B, D, k]
+        depth_index = torch.tensor(tree.depths) - 1  # [n]
+        rank_index = torch.tensor(tree.ranks)  # [n]
+        node_probs = top.values[:, depth_index, rank_index].cpu()  # [B, n]
+        node_tokens = top.indices[:, depth_index, rank_index].cpu()  # [B, n]
+        values = torch.empty_like(node_probs)  # [B, n] path probability
+        for i, parent in enumerate(tree.parents):
+            values[:, i] = node_probs[:, i] if parent < 0 else values[:, parent] * node_probs[:, i]
+        for b, i in enumerate(rows):
+            trees[i] = self._best_nodes(requests[i], values[b].tolist(), node_tokens[b].tolist())
+        return trees
+
+    def _best_nodes(self, request: ProposalRequest, values: list[float], tokens: list[int]) -> DraftTree:
+        """The request's best max_nodes nodes by path probability (within its tree width),
+        parents before children."""
+        tree = self.tree
+        allowed = [True] * len(tree)
+        for i, parent in enumerate(tree.parents):
+            allowed[i] = tree.ranks[i] < request.tree_width and (parent < 0 or allowed[parent])
+        order = sorted((i for i in range(len(tree)) if allowed[i]), key=lambda i: (-values[i], tree.depths[i], i))
+        keep = sorted(order[:request.max_nodes], key=lambda i: (tree.depths[i], -values[i], i))
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([tokens[i] for i in keep],
+                         [-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in keep])
+
+
+_EMPTY = DraftTree([], [])
+
+
+def build_medusa_proposer(config, target) -> MedusaProposer:
+    """Heads from config.medusa_heads, placed where config.draft_device says (the target's
+    LM head copied there when shared), with the tree of config.medusa_tree or the default."""
+    if not config.medusa_heads:
+        raise ValueError("speculator 'medusa' needs trained heads: --medusa-heads DIR (see scripts/train_medusa.py)")
+    model = target.model
+    device = config.resolved_draft_device(target.device)
+    dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
+    lm_head = model.lm_head
+    if device != model.lm_head.weight.device or dtype != model.dtype:
+        lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device=device, dtype=dtype)
+        lm_head.weight.data.copy_(model.lm_head.weight.detach())
+        lm_head.requires_grad_(False)
+    heads = load_heads(config.medusa_heads, model.config.hidden_size, model.config.vocab_size, lm_head)
+    heads.to(device=device, dtype=dtype)
+    choices = load_choices(config.medusa_tree) if config.medusa_tree else default_choices(heads.num_heads)
+    tree = CompiledTree(choices)
+    log.info("Medusa: %d heads (%d residual block(s) each, %s LM head) on %s in %s; tree of %d nodes, %d deep",
+             heads.num_heads, heads.num_layers, "shared" if heads.shares_lm_head else "own", device,
+             str(dtype).replace("torch.", ""), len(tree), tree.max_depth)
+    return MedusaProposer(heads, tree, device)

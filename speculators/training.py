@@ -1,0 +1,350 @@
+"""Self-distillation for speculation heads: the target writes its own training text from
+a prompt set, and heads learn to predict what the target does next.
+
+  1. `generate_corpus`: the target (our engine, batched) answers every prompt; a sample is
+     prompt + answer as token ids. Saved as JSONL so several trainings share one corpus.
+  2. `target_hidden_states`: one causal forward of the target over a whole sample (dense
+     attention, no KV cache) gives its final hidden states [T, H], the features the heads
+     read at serving time.
+  3. `train_medusa`: head k learns, from the hidden state at position p, the target's
+     distribution over the token at p + 2 + k (its LM head on its hidden state at
+     p + 1 + k: cross-entropy against those soft labels per head, later heads weighted
+     down), on answer positions only (the prompt is the user's text, not the target's).
+     Validation: the mean accepted length of the heads' top-1 chain on held-out samples,
+     1 (the target's own token) plus how many heads in a row guess right.
+  4. `train_eagle`: the head reads (f_p, token p + 1) for every p of a sample in one causal
+     pass (EAGLE's uniform noise on the input features) and is scored against f_{p+1}
+     (smooth L1) plus 0.1 x the cross-entropy of the LM head on its output against the
+     target's distribution over token p + 2. Validation: depth-1 top-1 accuracy,
+     teacher-forced.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger("speculators.training")
+
+IGNORE = -100
+
+
+@dataclass(slots=True)
+class Sample:
+    token_ids: list[int]  # prompt + the target's answer
+    num_prompt_tokens: int
+
+
+def default_prompt_file(split: str = "train") -> Path:
+    """The prompt sets shipped with the package: 'train' or 'heldout'."""
+    return Path(str(resources.files("speculators") / "data" / f"{split}_prompts.jsonl"))
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list:
+    """Prompts from JSONL lines {"prompt": "..."} or {"messages": [{"role", "content"}, ...]}."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        prompt = record.get("messages", record.get("prompt"))
+        if not prompt:
+            raise ValueError(f"{path}:{number}: a prompt line needs 'prompt' or 'messages'")
+        prompts.append(prompt)
+    return prompts[:limit]
+
+
+def generate_corpus(engine, prompts: list, max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                    progress: bool = True) -> list[Sample]:
+    """The target's answers to every prompt (all queued at once, the engine batches them)."""
+    from tqdm import tqdm
+    from runtime.sampling_params import SamplingParams
+    ids = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, speculator="none")
+        ids[engine.add_request(prompt, params)] = i
+    samples: list[Sample | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc="target writes the corpus", unit="answer", disable=not progress) as bar:
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    samples[ids[out.request_id]] = Sample(list(out.prompt_token_ids) + list(out.token_ids),
+                                                          len(out.prompt_token_ids))
+                    bar.update(1)
+    return [s for s in samples if s is not None]
+
+
+def save_corpus(samples: list[Sample], path: str | Path, model: str) -> None:
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"model": model, "token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens})
+                    + "\n")
+
+
+def load_corpus(path: str | Path, model: str) -> list[Sample]:
+    samples = []
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if record["model"] != model:
+            raise ValueError(f"corpus {str(path)!r} was written by {record['model']!r}, not {model!r}")
+        samples.append(Sample(record["token_ids"], record["num_prompt_tokens"]))
+    return samples
+
+
+def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over one whole sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     is_causal=True)  # [Hq, T, D]
+    return out.transpose(0, 1)
+
+
+@torch.no_grad()  # not inference_mode: the states are training inputs and targets
+def target_hidden_states(model, token_ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states (after the last norm) at every position: [T, H] float32."""
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor(token_ids, device=device)
+    positions = torch.arange(len(token_ids), device=device)
+    return model(ids, positions, dense_causal_attention).float().cpu()
+
+
+def _autocast(module: nn.Module):
+    """bf16 autocast on the module's device (AMX on this CPU, tensor cores on a GPU)."""
+    return torch.autocast(next(module.parameters()).device.type, dtype=torch.bfloat16)
+
+
+# ---- Medusa -----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class MedusaData:
+    hidden: torch.Tensor  # [M, H] the target's hidden states over every answer
+    inputs: torch.Tensor  # [N] row in hidden of a training position p
+    teacher: torch.Tensor  # [N, K] row in hidden of position p + 1 + k (whose logits give token p + 2 + k), -1: none
+    labels: torch.Tensor  # [N, K] the token the target wrote at p + 2 + k, IGNORE past the sample's end
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = True) -> MedusaData:
+    """Hidden states, training positions, teacher rows and labels of every answer."""
+    from tqdm import tqdm
+    hidden, inputs, teacher, labels = [], [], [], []
+    base = 0  # rows of hidden so far
+    offsets = torch.arange(num_heads)  # [K]
+    for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
+        first, t = max(s.num_prompt_tokens - 1, 0), len(s.token_ids)
+        positions = torch.arange(first, t - 2)  # [n] positions p whose next token p + 1 is the target's and p + 2 exists
+        if not len(positions):
+            continue
+        hidden.append(target_hidden_states(model, s.token_ids)[first:])  # [t - first, H]
+        inputs.append(base + positions - first)
+        later = positions[:, None] + 1 + offsets[None, :]  # [n, K] position p + 1 + k
+        teacher.append(torch.where(later < t, base + later - first, -1))
+        tokens = torch.tensor(s.token_ids + [IGNORE] * (num_heads + 2))
+        labels.append(tokens[later + 1])
+        base += t - first
+    return MedusaData(torch.cat(hidden), torch.cat(inputs), torch.cat(teacher), torch.cat(labels))
+
+
+def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
+    return decay ** torch.arange(num_heads, dtype=torch.float32)  # [K]
+
+
+def medusa_loss(heads, data: MedusaData, rows: torch.Tensor, teacher_head: nn.Module):
+    """(weighted cross-entropy over heads against the target's own next-token distribution
+    at p + 1 + k (self-distillation: soft labels carry more than the token it wrote),
+    logits [B, K, V], labels [B, K])."""
+    device = next(heads.parameters()).device
+    inputs, teacher, labels = data.inputs[rows], data.teacher[rows], data.labels[rows]
+    logits = heads(data.hidden[inputs].to(device))  # [B, K, V]
+    valid = (teacher >= 0).to(device)  # [B, K]
+    with torch.no_grad():
+        target = teacher_head(data.hidden[teacher.clamp_min(0)].to(device)).float().softmax(dim=-1)  # [B, K, V]
+    per_position = -(target * logits.float().log_softmax(dim=-1)).sum(dim=-1)  # [B, K]
+    per_head = (per_position * valid).sum(0) / valid.sum(0).clamp_min(1)  # [K]
+    return (per_head * head_weights(logits.shape[1]).to(device)).sum(), logits, labels
+
+
+def chain_acceptance(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean tokens per step of the heads' top-1 chain: 1 + the heads in a row that guess
+    right (a missing label ends the chain). logits [N, K, V], labels [N, K]."""
+    hits = logits.argmax(dim=-1) == labels.to(logits.device)  # [N, K]
+    run = hits.int().cumprod(dim=1).sum(dim=1)  # [N]
+    return 1.0 + float(run.float().mean()) if len(run) else 1.0
+
+
+@torch.no_grad()
+def evaluate_medusa(heads, data: MedusaData, teacher_head: nn.Module, batch_size: int = 512) -> tuple[float, float]:
+    """(loss, chain acceptance) over data."""
+    heads.eval()
+    total_loss, accepted, n = 0.0, 0.0, 0
+    for start in range(0, len(data), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(data)))
+        with _autocast(heads):
+            loss, logits, labels = medusa_loss(heads, data, rows, teacher_head)
+        total_loss += float(loss) * len(rows)
+        accepted += (chain_acceptance(logits, labels) - 1.0) * len(rows)
+        n += len(rows)
+    heads.train()
+    return total_loss / max(n, 1), 1.0 + accepted / max(n, 1)
+
+
+def train_medusa(heads, train: MedusaData, val: MedusaData, teacher_head: nn.Module, steps: int, lr: float = 1e-3,
+                 batch_size: int = 256, max_seconds: float | None = None, eval_every: int = 200, seed: int = 0,
+                 on_eval=None, progress: bool = True) -> dict:
+    """AdamW with warm-up and cosine decay over `steps` (or until max_seconds); returns the
+    final validation figures. teacher_head is the target's LM head (the soft labels);
+    on_eval(step, val_loss, val_acceptance) is called at each evaluation (e.g. to
+    checkpoint)."""
+    from tqdm import tqdm
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    rng = random.Random(seed)
+    order: list[int] = []
+    start = time.perf_counter()
+    heads.train()
+    result = {}
+    bar = tqdm(range(1, steps + 1), desc="training Medusa heads", unit="step", disable=not progress)
+    for step in bar:
+        if len(order) < batch_size:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        batch, order = torch.tensor(order[:batch_size]), order[batch_size:]
+        with _autocast(heads):
+            loss, _, _ = medusa_loss(heads, train, batch, teacher_head)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
+            val_loss, val_acc = evaluate_medusa(heads, val, teacher_head)
+            result = {"step": step, "val_loss": val_loss, "val_acceptance": val_acc,
+                      "seconds": time.perf_counter() - start}
+            log.info("step %d: validation loss %.3f, top-1 chain acceptance %.2f", step, val_loss, val_acc)
+            bar.write(f"step {step}: validation loss {val_loss:.3f}, top-1 chain acceptance {val_acc:.2f}")
+            if on_eval is not None:
+                on_eval(step, val_loss, val_acc)
+        if out_of_time:
+            break
+    bar.close()
+    heads.eval()
+    return result
+
+
+# ---- EAGLE ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class EagleSample:
+    token_ids: torch.Tensor  # [T]
+    features: torch.Tensor  # [T, H] the target's hidden states
+    answer_start: int  # first position p whose token p + 2 the target wrote
+
+
+def eagle_data(model, samples: list[Sample], progress: bool = True) -> list[EagleSample]:
+    from tqdm import tqdm
+    out = []
+    for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
+        if len(s.token_ids) < 3:
+            continue
+        out.append(EagleSample(torch.tensor(s.token_ids), target_hidden_states(model, s.token_ids),
+                               max(s.num_prompt_tokens - 2, 0)))
+    return out
+
+
+def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float = 0.1):
+    """(feature regression + ce_weight x token cross-entropy, depth-1 top-1 hits, positions).
+
+    Input p = 0..T-2 is (f_p, token p + 1); its output is scored against f_{p+1} (smooth
+    L1) and, through the LM head, against the target's distribution over token p + 2
+    (the LM head on f_{p+1}, EAGLE's classification loss; answer positions only)."""
+    device = head.fc.weight.device
+    tokens, feats = sample.token_ids.to(device), sample.features.to(device)
+    t = len(tokens)
+    inputs = feats[:-1]
+    if noise:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise  # EAGLE's uniform feature noise
+    predicted = head(tokens[1:], torch.arange(t - 1, device=device), inputs, dense_causal_attention)  # [T-1, H]
+    regression = nn.functional.smooth_l1_loss(predicted.float(), feats[1:])
+    start = sample.answer_start
+    logits = head.compute_logits(predicted[start:t - 2])  # [n, V] token p + 2
+    labels = tokens[start + 2:]
+    with torch.no_grad():  # the target's own distribution there: its LM head on f_{p+1}
+        target = head.compute_logits(feats[start + 1:t - 1]).softmax(dim=-1)  # [n, V]
+    ce = -(target * logits.log_softmax(dim=-1)).sum(dim=-1).mean()
+    hits = int((logits.argmax(dim=-1) == labels).sum())
+    return regression + ce_weight * ce, hits, len(labels)
+
+
+@torch.no_grad()
+def evaluate_eagle(head, samples: list[EagleSample]) -> tuple[float, float]:
+    """(loss, depth-1 top-1 accuracy) over samples, teacher-forced."""
+    head.eval()
+    total, hits, n = 0.0, 0, 0
+    for s in samples:
+        with _autocast(head):
+            loss, h, k = eagle_loss(head, s)
+        total, hits, n = total + float(loss), hits + h, n + k
+    head.train()
+    return total / max(len(samples), 1), hits / max(n, 1)
+
+
+def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: int, lr: float = 3e-4,
+                sequences_per_step: int = 4, noise: float = 0.1, max_seconds: float | None = None,
+                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True) -> dict:
+    """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples."""
+    from tqdm import tqdm
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    rng = random.Random(seed)
+    order: list[int] = []
+    start = time.perf_counter()
+    head.train()
+    result = {}
+    bar = tqdm(range(1, steps + 1), desc="training the EAGLE head", unit="step", disable=not progress)
+    for step in bar:
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(sequences_per_step):
+            if not order:
+                order = list(range(len(train)))
+                rng.shuffle(order)
+            with _autocast(head):
+                loss, _, _ = eagle_loss(head, train[order.pop()], noise)
+            (loss / sequences_per_step).backward()
+            total += float(loss.detach()) / sequences_per_step
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(loss=f"{total:.3f}")
+        out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
+            val_loss, val_acc = evaluate_eagle(head, val)
+            result = {"step": step, "val_loss": val_loss, "val_accuracy": val_acc,
+                      "seconds": time.perf_counter() - start}
+            bar.write(f"step {step}: validation loss {val_loss:.3f}, depth-1 top-1 accuracy {val_acc:.2f}")
+            if on_eval is not None:
+                on_eval(step, val_loss, val_acc)
+        if out_of_time:
+            break
+    bar.close()
+    head.eval()
+    return result

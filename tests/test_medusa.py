@@ -1,0 +1,240 @@
+"""Medusa heads (speculators/medusa.py, speculators/training.py) on the default model.
+
+- Tree compile: a choices list gives the expected parents, depths, ranks and attention
+  mask; bad lists fail clearly.
+- Loading a checkpoint written in the public Medusa layout (built here with the public
+  names and shapes): the heads compute x + SiLU(W x + b) then the projection, by hand.
+- Greedy lossless, batched, float32: heads trained briefly on the test prompts' own plain
+  outputs (so many drafts are accepted) and random heads (mostly rejected) both give the
+  output of `--speculator none`; every KV block comes back.
+- Seeded sampling with Medusa's one-hot proposals equals plain sampling.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.sampling_params import SamplingParams
+from speculators.base import ProposalRequest
+from speculators.medusa import (CompiledTree, MedusaHeads, MedusaProposer, default_choices, load_choices,
+                                load_heads, save_heads)
+from speculators.training import Sample, medusa_data, train_medusa
+from speculators.tree import DraftTree
+
+PROMPTS = [
+    "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+    "The capital of France is",
+    "Write a short poem about the sea.",
+]
+
+
+def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+# ---- the tree -------------------------------------------------------------------------------------
+
+def test_choices_compile_to_parents_depths_ranks_and_mask():
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    tree = CompiledTree(list(reversed(choices)))  # any order in; (depth, path) order out
+    assert tree.paths == choices
+    assert tree.parents == [-1, -1, 0, 0, 1, 2]
+    assert tree.depths == [1, 1, 2, 2, 2, 3]
+    assert tree.ranks == [0, 1, 0, 1, 0, 0]
+    assert tree.max_depth == 3 and tree.top_k == 2
+    mask = DraftTree(list(range(6)), tree.parents).attention_mask()
+    expected = torch.zeros(7, 7, dtype=torch.bool)  # row r sees the root, itself and its ancestors
+    ancestors = {1: [], 2: [], 3: [1], 4: [1], 5: [2], 6: [3, 1]}
+    for row, up in ancestors.items():
+        expected[row, [0, row, *up]] = True
+    expected[0, 0] = True
+    assert torch.equal(mask, expected)
+
+
+def test_bad_choices_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="no parent path"):
+        CompiledTree([(0,), (1, 0)])
+    with pytest.raises(ValueError, match="twice"):
+        CompiledTree([(0,), (0,)])
+    bad = tmp_path / "tree.json"
+    bad.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="JSON list of lists"):
+        load_choices(bad)
+    good = tmp_path / "good.json"
+    good.write_text("[[0], [0, 0], [1]]")
+    assert load_choices(good) == [(0,), (0, 0), (1,)]
+
+
+def test_default_tree_is_every_path_with_rank_sum_at_most_two():
+    choices = default_choices(4)
+    assert len(choices) == 3 + 6 + 10 + 15
+    assert all(sum(c) <= 2 and 1 <= len(c) <= 4 for c in choices)
+    CompiledTree(choices)  # every parent is present
+
+
+# ---- checkpoints in the public layout ---------------------------------------------------------------
+
+def test_loads_a_checkpoint_in_the_public_medusa_layout(tmp_path):
+    torch.manual_seed(0)
+    hidden, vocab, num_heads = 16, 40, 3
+    public = {}
+    for k in range(num_heads):
+        public[f"medusa_head.{k}.0.linear.weight"] = torch.randn(hidden, hidden) * 0.3
+        public[f"medusa_head.{k}.0.linear.bias"] = torch.randn(hidden) * 0.1
+        public[f"medusa_head.{k}.1.weight"] = torch.randn(vocab, hidden)
+    save_file(public, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": 1,
+                                                      "base_model_name_or_path": "some/base"}))
+    heads = load_heads(tmp_path, hidden, vocab, lm_head=torch.nn.Linear(hidden, vocab, bias=False))
+    assert heads.num_heads == num_heads and not heads.shares_lm_head
+    x = torch.randn(5, hidden)
+    for k in range(num_heads):
+        w, b, proj = (public[f"medusa_head.{k}.0.linear.weight"], public[f"medusa_head.{k}.0.linear.bias"],
+                      public[f"medusa_head.{k}.1.weight"])
+        expected = (x + torch.nn.functional.silu(x @ w.T + b)) @ proj.T
+        torch.testing.assert_close(heads(x)[:, k], expected)
+    # our own checkpoints round-trip, shared LM head included
+    shared = torch.nn.Linear(hidden, vocab, bias=False)
+    ours = MedusaHeads(hidden, vocab, 2, 2, shared)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    save_heads(ours, tmp_path / "ours")
+    again = load_heads(tmp_path / "ours", hidden, vocab, shared)
+    assert again.shares_lm_head and again.num_layers == 2
+    torch.testing.assert_close(again(x), ours(x))
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_heads(tmp_path / "ours", hidden + 1, vocab, shared)
+    with pytest.raises(ValueError, match="shape"):
+        load_heads(tmp_path, hidden, vocab + 1, shared)
+
+
+def test_proposer_keeps_the_best_nodes_within_budget_and_width():
+    torch.manual_seed(1)
+    hidden, vocab = 8, 30
+    heads = MedusaHeads(hidden, vocab, 3, 1, None)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    proposer = MedusaProposer(heads, CompiledTree(default_choices(3)), torch.device("cpu"))
+    h = torch.randn(hidden)
+    params = SamplingParams(temperature=0.0)
+    with torch.no_grad():
+        probs = heads(h[None])[0].softmax(-1)  # [K, V]
+
+    def request(max_nodes, width):
+        return ProposalRequest("r", [1, 2, 3], 2, max_nodes, width, params, last_hidden=h)
+
+    [full] = proposer.propose([request(100, 3)])
+    assert len(full) == len(default_choices(3))
+    [chain] = proposer.propose([request(100, 1)])
+    assert chain.is_chain and chain.token_ids == probs.argmax(-1).tolist()
+    [small] = proposer.propose([request(5, 3)])
+    assert len(small) == 5
+    # the 5 kept are the 5 best paths by product of head probabilities
+    def value(tree, i):
+        v, node = 1.0, i
+        while node >= 0:
+            v *= float(probs[tree.depths[node] - 1, tree.token_ids[node]])
+            node = tree.parents[node]
+        return v
+    full_values = sorted((value(full, i) for i in range(len(full))), reverse=True)
+    assert sorted((value(small, i) for i in range(5)), reverse=True) == pytest.approx(full_values[:5])
+    assert proposer.propose([ProposalRequest("r", [1], 1, 4, 3, params)]) == [DraftTree([], [])]  # no hidden yet
+
+
+# ---- through the engine ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine_f32, generate):
+    return generate(engine_f32, PROMPTS, greedy(speculator="none"))
+
+
+@pytest.fixture(scope="module")
+def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
+    """Heads trained for a few seconds on the test prompts' own plain outputs (overfit on
+    purpose, so that many drafts are accepted)."""
+    torch.manual_seed(0)
+    model = engine_f32.model
+    samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
+               for p, out in zip(PROMPTS, plain_outputs)]
+    data = medusa_data(model, samples, num_heads=3, progress=False)
+    cfg = model.config
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head)
+    result = train_medusa(heads, data, data, model.lm_head, steps=120, lr=3e-3, batch_size=64, eval_every=120,
+                          progress=False)
+    assert result["val_acceptance"] > 1.5, result  # it learned the outputs it was shown
+    return save_heads(heads, tmp_path_factory.mktemp("medusa") / "trained")
+
+
+@pytest.fixture(scope="module")
+def random_heads(engine_f32, tmp_path_factory):
+    torch.manual_seed(3)
+    cfg = engine_f32.model.config
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, engine_f32.model.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return save_heads(heads, tmp_path_factory.mktemp("medusa") / "random")
+
+
+@pytest.fixture
+def medusa_engine(engine_f32):
+    """The shared engine with Medusa heads set per test, restored afterwards."""
+    engine = engine_f32
+    saved = (engine.config.medusa_heads, engine.spec_controller.adaptive, engine.config.num_speculative_tokens)
+
+    def use(heads_dir, adaptive=True, num_tokens=None):
+        engine.proposers.pop("medusa", None)
+        engine.config.medusa_heads = str(heads_dir)
+        engine.spec_controller.adaptive = adaptive
+        engine.config.num_speculative_tokens = num_tokens
+        return engine
+
+    yield use
+    engine.config.medusa_heads, engine.spec_controller.adaptive, engine.config.num_speculative_tokens = saved
+    engine.proposers.clear()
+    engine.spec_controller.requests.clear()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_trained_heads_are_greedy_lossless_and_accept_drafts(medusa_engine, trained_heads, generate, plain_outputs):
+    engine = medusa_engine(trained_heads, adaptive=False, num_tokens=12)
+    drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
+    steps = engine.stats.num_verify_steps
+    outputs = generate(engine, PROMPTS, greedy(speculator="medusa"))
+    for i, (out, ref) in enumerate(zip(outputs, plain_outputs)):
+        assert out == ref, f"prompt {i} differs from plain decoding"
+    assert engine.stats.num_draft_tokens > drafted
+    new_accepted = engine.stats.num_accepted_tokens - accepted
+    assert new_accepted / (engine.stats.num_verify_steps - steps) > 0.5, "trained heads should land drafts"
+
+
+def test_random_heads_are_greedy_lossless(medusa_engine, random_heads, generate, plain_outputs):
+    engine = medusa_engine(random_heads, adaptive=False, num_tokens=8)
+    drafted = engine.stats.num_draft_tokens
+    outputs = generate(engine, PROMPTS, greedy(speculator="medusa"))
+    assert outputs == plain_outputs
+    assert engine.stats.num_draft_tokens > drafted
+
+
+def test_seeded_sampling_with_medusa_equals_plain_sampling(medusa_engine, trained_heads, generate):
+    engine = medusa_engine(trained_heads)
+
+    def params(speculator, seed):
+        return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=seed, ignore_eos=True,
+                              speculator=speculator)
+
+    plain = generate(engine, PROMPTS[:3], [params("none", s) for s in (5, 6, 7)])
+    assert generate(engine, PROMPTS[:3], [params("medusa", s) for s in (5, 6, 7)]) == plain
+
+
+def test_medusa_needs_heads(engine_f32):
+    from runtime.config import EngineConfig
+    with pytest.raises(ValueError, match="medusa-heads"):
+        EngineConfig(speculator="medusa")
+    assert engine_f32.config.medusa_heads is None
+    with pytest.raises(ValueError, match="medusa-heads"):
+        engine_f32.add_request("hi", SamplingParams(speculator="medusa"))
+    assert not engine_f32.has_unfinished
