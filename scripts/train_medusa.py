@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     def checkpoint(step, val_loss, val_acceptance):
         save_heads(heads, out, {**extra, "step": step, "val_loss": val_loss, "val_acceptance": val_acceptance})
 
-    result = train_medusa(heads, train, val, model.lm_head, args.steps, args.lr, args.batch_size,
+    result = train_medusa(heads, train, val, args.steps, args.lr, args.batch_size,
                           None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint)
     print(f"done in {time.perf_counter() - start:.0f} s: validation top-1 chain acceptance "
           f"{result['val_acceptance']:.2f} (loss {result['val_loss']:.3f}) -> {out}")

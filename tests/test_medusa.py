@@ -163,7 +163,7 @@ def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
     data = medusa_data(model, samples, num_heads=3, progress=False)
     cfg = model.config
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head)
-    result = train_medusa(heads, data, data, model.lm_head, steps=120, lr=3e-3, batch_size=64, eval_every=120,
+    result = train_medusa(heads, data, data, steps=120, lr=3e-3, batch_size=64, eval_every=120,
                           progress=False)
     assert result["val_acceptance"] > 1.5, result  # it learned the outputs it was shown
     return save_heads(heads, tmp_path_factory.mktemp("medusa") / "trained")
