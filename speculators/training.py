@@ -122,6 +122,15 @@ def _autocast(module: nn.Module):
     return torch.autocast(next(module.parameters()).device.type, dtype=torch.bfloat16)
 
 
+def _optimizer(params, lr: float, steps: int, betas: tuple[float, float]):
+    """AdamW with a linear warm-up over the first 5% of steps, then cosine decay to 0."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    return optimizer, schedule
+
+
 # ---- Medusa -----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -198,10 +207,7 @@ def train_medusa(heads, train: MedusaData, val: MedusaData, steps: int, lr: floa
     evaluation (e.g. to checkpoint)."""
     from tqdm import tqdm
     params = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    optimizer, schedule = _optimizer(params, lr, steps, betas=(0.9, 0.999))
     rng = random.Random(seed)
     order: list[int] = []
     start = time.perf_counter()
@@ -298,10 +304,7 @@ def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: i
     """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples."""
     from tqdm import tqdm
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    optimizer, schedule = _optimizer(params, lr, steps, betas=(0.9, 0.95))
     rng = random.Random(seed)
     order: list[int] = []
     start = time.perf_counter()
