@@ -8,6 +8,7 @@ caches), and `release` when a sequence leaves for good.
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -45,6 +46,14 @@ class TargetInfo:
     max_num_seqs: int
     seed: int | None = None
     model: object = None  # the target's DecoderModel (heads share its LM head and embeddings)
+
+
+def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """One of the target's weight-only modules (its embedding, its LM head) for heads that
+    run on `device` in `dtype`: the module itself when it lives there, a frozen copy otherwise."""
+    if module.weight.device == device and module.weight.dtype == dtype:
+        return module
+    return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
 
 
 class Proposer(ABC):

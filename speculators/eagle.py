@@ -50,7 +50,7 @@ from torch import nn
 
 from runtime.block_manager import BlockManager
 from runtime.models.decoder import AttentionFn, DecoderLayer, RotaryEmbedding
-from speculators.base import ProposalRequest, Proposer
+from speculators.base import ProposalRequest, Proposer, frozen_on
 from speculators.tree import DraftTree
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
 from target_gpu.kv_cache import KVCache
@@ -393,12 +393,7 @@ def build_eagle_proposer(config, target) -> EagleProposer:
     model = target.model
     device = config.resolved_draft_device(target.device)
     dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
-    embed, lm_head = model.embed_tokens, model.lm_head
-    if device != model.embed_tokens.weight.device or dtype != model.dtype:
-        embed = nn.Embedding.from_pretrained(model.embed_tokens.weight.detach().to(device, dtype), freeze=True)
-        lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device=device, dtype=dtype)
-        lm_head.weight.data.copy_(model.lm_head.weight.detach())
-        lm_head.requires_grad_(False)
+    embed, lm_head = frozen_on(model.embed_tokens, device, dtype), frozen_on(model.lm_head, device, dtype)
     head = load_head(config.eagle_head, model.config, embed, lm_head).to(device=device, dtype=dtype)
     num_kv_tokens = target.num_kv_tokens + target.max_num_seqs * (config.speculative_tokens("eagle") * 8
                                                                   + config.block_size)

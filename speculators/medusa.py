@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators.base import ProposalRequest, Proposer
+from speculators.base import ProposalRequest, Proposer, frozen_on
 from speculators.tree import DraftTree
 
 log = logging.getLogger("speculators.medusa")
@@ -304,11 +304,7 @@ def build_medusa_proposer(config, target) -> MedusaProposer:
     model = target.model
     device = config.resolved_draft_device(target.device)
     dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
-    lm_head = model.lm_head
-    if device != model.lm_head.weight.device or dtype != model.dtype:
-        lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device=device, dtype=dtype)
-        lm_head.weight.data.copy_(model.lm_head.weight.detach())
-        lm_head.requires_grad_(False)
+    lm_head = frozen_on(model.lm_head, device, dtype)
     heads = load_heads(config.medusa_heads, model.config.hidden_size, model.config.vocab_size, lm_head)
     heads.to(device=device, dtype=dtype)
     choices = load_choices(config.medusa_tree) if config.medusa_tree else default_choices(heads.num_heads)

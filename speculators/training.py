@@ -99,6 +99,47 @@ def load_corpus(path: str | Path, model: str) -> list[Sample]:
     return samples
 
 
+def add_self_distillation_args(parser) -> None:
+    """The flags both training scripts share: the target, the prompts, the corpus, where to run."""
+    from runtime.models.loader import DEFAULT_MODEL
+    p = parser
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model: alias, .gguf file or HF directory")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--data", default=None, help="prompt JSONL ({'prompt'} or {'messages'} per line; default: the "
+                                                "shipped training prompts)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--corpus", default=None, help="JSONL of the target's answers: read when it exists, else "
+                                                  "written (default: OUT/corpus.jsonl)")
+    p.add_argument("--max-tokens", type=int, default=192, help="tokens per answer (default: 192)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature for the "
+                                                                   "corpus (default: 0 = greedy)")
+    p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="answers held out for validation")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (the target and the training)")
+    p.add_argument("--dtype", default="auto", help="the target's dtype while writing the corpus (default: auto)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def self_distillation_corpus(args):
+    """(engine, training samples, validation samples) from the flags above: the corpus is
+    read when it exists, else the target writes it (and it is saved)."""
+    from runtime.engine import LLMEngine
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
+    corpus_path = Path(args.corpus) if args.corpus else Path(args.out) / "corpus.jsonl"
+    start = time.perf_counter()
+    if corpus_path.exists():
+        samples = load_corpus(corpus_path, args.model)
+        print(f"corpus: {len(samples)} answers from {corpus_path}")
+    else:
+        prompts = load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
+        samples = generate_corpus(engine, prompts, args.max_tokens, args.temperature, args.seed)
+        save_corpus(samples, corpus_path, args.model)
+        print(f"corpus: {len(samples)} answers in {time.perf_counter() - start:.0f} s -> {corpus_path}")
+    num_val = max(1, int(len(samples) * args.val_fraction))
+    return engine, samples[num_val:], samples[:num_val]
+
+
 def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over one whole sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
     group = q.shape[1] // k.shape[1]
