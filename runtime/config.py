@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length (capped by the pool)
     block_size: int = 16
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of committed tokens across requests
     kv_cache_memory: str | int | float | None = None  # bytes, "2GiB", or a fraction of free memory
     seed: int | None = None
     # speculation (a request may override speculator and num_speculative_tokens)

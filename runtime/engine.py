@@ -58,7 +58,10 @@ class RequestOutput:
 class EngineStats:
     start_time: float = field(default_factory=time.perf_counter)
     num_steps: int = 0
-    num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens the target ran (recomputation after preemption included)
+    # prefix caching: prompt tokens of the requests scheduled so far, and those served from the cache
+    num_prompt_tokens_scheduled: int = 0
+    num_cached_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
@@ -88,6 +91,12 @@ class EngineStats:
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens served from the prefix cache / prompt tokens scheduled."""
+        return (self.num_cached_prompt_tokens / self.num_prompt_tokens_scheduled
+                if self.num_prompt_tokens_scheduled else None)
 
 
 @dataclass(slots=True)
@@ -133,7 +142,7 @@ class LLMEngine:
                  num_blocks, config.block_size, capacity, num_blocks * per_block / 2**20, self.max_model_len)
         self.kv_capacity_tokens = capacity
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -196,6 +205,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, tuple(self.model_config.eos_token_ids))
+        name = params.speculator or self.config.speculator
+        if name != "none" and self._proposer(name).needs_features:
+            seq.reads_prefix_cache = False  # the proposer needs the target's features of every token
         self.requests[request_id] = _RequestState(seq)
         self.scheduler.add(seq)
         return request_id
@@ -294,6 +306,8 @@ class LLMEngine:
             self.spec_controller.observe_drafting(depth, sequence_depths, proposed - start)
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
+        self.stats.num_prompt_tokens_scheduled += batch.num_prompt_tokens
+        self.stats.num_cached_prompt_tokens += batch.num_cached_tokens
         if batch.is_empty:
             return []
         trees = [seq.draft_tree.truncated(n) if n else _EMPTY_TREE
@@ -408,6 +422,7 @@ class LLMEngine:
                 stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             if not needed:
+                self.block_manager.cache_committed_blocks(seq)
                 continue
             verdict = next(next_verdict)
             if len(tree):
@@ -419,8 +434,9 @@ class LLMEngine:
                 seq.num_computed_tokens += len(verdict.accepted_nodes)
                 self._record_verification(seq, tree, verdict)
             outputs.append(self._advance(seq, verdict.token_ids))
-            if not seq.is_finished:
+            if not seq.is_finished:  # (a finished sequence's blocks were cached as they were freed)
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
+                self.block_manager.cache_committed_blocks(seq)
                 if len(tree):
                     self._proposer_of(seq).on_accepted(seq.request_id, seq.token_ids, len(verdict.accepted_nodes))
         self.runner.commit_accepted(src_slots, dst_slots)

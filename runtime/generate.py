@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of one engine step (default: %(default)s)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes, 2GiB, 500MB, or a fraction of free memory like 0.2")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt in full instead of reusing the KV of prefixes shared with "
+                        "earlier prompts")
     p.add_argument("--batch-size", type=int, default=256,
                    help="prompts generated together; each batch is written before the next is read "
                         "(default: %(default)s)")
@@ -176,7 +179,7 @@ def _load(args) -> LLM:
     speculation = {name: getattr(args, name) for name in SPECULATION_ARGS if getattr(args, name) is not None}
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               seed=args.seed, **speculation)
+               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, **speculation)
 
 
 def _fail(message: str) -> int:

@@ -33,6 +33,8 @@ class RunSummary:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -44,13 +46,16 @@ class RunSummary:
                    _mean(r.metrics.ttft_s for r in results), _mean(r.metrics.tpot_s for r in results),
                    sum(r.metrics.num_draft_tokens for r in results),
                    sum(r.metrics.num_accepted_tokens for r in results),
-                   sum(r.metrics.num_verify_steps for r in results))
+                   sum(r.metrics.num_verify_steps for r in results),
+                   sum(r.metrics.num_prompt_tokens for r in results),
+                   sum(r.metrics.num_cached_tokens for r in results))
 
     def __str__(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x * 1000:.1f} ms"  # noqa: E731
         text = (f"requests: {self.num_requests}  output tokens: {self.num_output_tokens}  "
                 f"throughput: {self.output_tokens_per_s:.1f} tok/s  mean TTFT: {fmt(self.mean_ttft_s)}  "
-                f"mean TPOT: {fmt(self.mean_tpot_s)}")
+                f"mean TPOT: {fmt(self.mean_tpot_s)}  prefix cache hit rate: "
+                f"{self.num_cached_tokens / max(self.num_prompt_tokens, 1):.2f}")
         if self.num_verify_steps:
             text += (f"  draft tokens: {self.num_draft_tokens}  acceptance rate: "
                      f"{self.num_accepted_tokens / max(self.num_draft_tokens, 1):.2f}  mean acceptance length: "
@@ -65,7 +70,7 @@ def _mean(values) -> float | None:
 
 class LLM:
     """Offline engine. Keyword arguments are EngineConfig fields (model, dtype, device,
-    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory, seed,
+    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching, kv_cache_memory, seed,
     and the speculation settings: speculator, num_speculative_tokens,
     speculative_tree_width, prompt_lookup_min, prompt_lookup_max, lookahead_global_nodes,
     adaptive_speculation, and for speculator "draft": draft_model, draft_device, draft_dtype,

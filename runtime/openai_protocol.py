@@ -192,7 +192,8 @@ def sse(data: dict) -> str:
 
 def _usage(out: RequestOutput) -> dict:
     num_prompt, num_output = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens}}
 
 
 class CompletionFormat:

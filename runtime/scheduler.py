@@ -5,10 +5,12 @@ computed yet (one token when decoding, the next chunk of a long prompt when pref
 within `max_num_batched_tokens`; then the draft trees of decoding sequences get what
 budget and free blocks are left (a tree is cut to fit, never a reason to preempt); then
 waiting sequences join, first come first served, while the budget, `max_num_seqs` and the
-KV pool allow. When the pool runs out, the
-newest running sequence is preempted by recomputation: its blocks are freed and it goes
-back to the front of the queue with its tokens, to be prefilled again later. Nothing is
-dropped, and the engine never crashes for lack of blocks.
+KV pool allow; a joining sequence first takes what the prefix cache holds of its tokens
+(runtime.block_manager) and is scheduled for the rest. When the pool runs out, the newest
+running sequence is preempted by recomputation: its blocks are freed (its full blocks stay
+cached, so its recomputation is mostly cache hits unless they were evicted meanwhile) and it
+goes back to the front of the queue with its tokens, to be prefilled again later. Nothing
+is dropped, and the engine never crashes for lack of blocks.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs: the sequence's own tokens
     num_draft_tokens: list[int] = field(default_factory=list)  # parallel to seqs: draft nodes to verify
     num_preempted: int = 0
+    # sequences joining for the first time: their prompt tokens, and those served from the prefix cache
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -77,9 +82,16 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.num_preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
+            num_cached = self.block_manager.claim_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
+                self.block_manager.free(seq)  # the cached blocks it took stay cached
+                seq.num_computed_tokens = 0
                 break
+            if seq.metrics.num_preemptions == 0:
+                seq.metrics.num_cached_tokens = num_cached
+                batch.num_prompt_tokens += seq.num_prompt_tokens
+                batch.num_cached_tokens += num_cached
             self.waiting.popleft()
             self.block_manager.may_append(seq, num_new)
             seq.status = SequenceStatus.RUNNING

@@ -38,6 +38,7 @@ class RequestMetrics:
     num_verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: steps that accepted depth d
     num_target_forwards: int = 0  # target passes this request took part in (prefill chunks included)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,6 +64,11 @@ class RequestMetrics:
         return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens."""
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
     def forwards_per_token(self) -> float | None:
         return self.num_target_forwards / self.num_tokens if self.num_tokens else None
 
@@ -79,7 +85,8 @@ class RequestMetrics:
                 "num_accepted_tokens": self.num_accepted_tokens, "num_verify_steps": self.num_verify_steps,
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
                 "accepted_per_position": list(self.accepted_per_position),
-                "num_target_forwards": self.num_target_forwards}
+                "num_target_forwards": self.num_target_forwards, "num_cached_tokens": self.num_cached_tokens,
+                "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
 
 
 def count_accepted_positions(per_position: list[int], num_accepted: int) -> None:
@@ -110,6 +117,12 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # prefix caching (runtime.block_manager): whether this sequence may take cached blocks,
+    # the chained hash of each full block of token_ids computed so far, and how many leading
+    # blocks of block_table are cached already (taken from the cache or named in it)
+    reads_prefix_cache: bool = True
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_text: str = ""

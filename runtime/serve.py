@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, help=_default("max_num_batched_tokens"))
     p.add_argument("--max-model-len", type=int, help="default: the model's context, capped by the KV cache")
     p.add_argument("--block-size", type=int, help=_default("block_size"))
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
+                   help="compute every prompt in full instead of reusing the KV of prefixes cached by earlier "
+                        "requests")
     p.add_argument("--kv-cache-memory", help="bytes (2GiB, 500MB) or a fraction of free memory (0.1); "
                    "default: 0.8 of free GPU memory, 0.1 of free host memory")
     p.add_argument("--seed", type=int, help="seeds the sampler of requests that bring no seed of their own")
@@ -183,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags that were given; the rest keep EngineConfig's defaults."""
     names = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "block_size", "kv_cache_memory", "seed") + SPECULATION_ARGS
+             "block_size", "enable_prefix_caching", "kv_cache_memory", "seed") + SPECULATION_ARGS
     return EngineConfig(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server app: requests by finish reason (stop, length, abort,
 error), prompt and generated tokens, TTFT/TPOT/e2e latency histograms, gauges of
-running/waiting sequences and used/free KV cache blocks, and the engine's speculation
+running/waiting sequences, used/free KV cache blocks and the prefix cache (cached blocks,
+hit rate; queries and hits as counters), and the engine's speculation
 counters (draft tokens verified, accepted, verify steps, bonus/recovered tokens, accepted
 per draft position, target forward passes).
 
@@ -47,9 +48,13 @@ class ServerMetrics:
                     lambda: len(engine.scheduler.waiting))
         self._gauge("heterospec_kv_cache_used_blocks", "KV cache blocks in use",
                     lambda: engine.block_manager.num_used_blocks)
-        self._gauge("heterospec_kv_cache_free_blocks", "KV cache blocks free",
-                    lambda: engine.block_manager.num_free_blocks)
-        r.register(_SpeculationCollector(engine))
+        self._gauge("heterospec_kv_cache_free_blocks", "KV cache blocks free (cached prefixes that may be "
+                    "evicted included)", lambda: engine.block_manager.num_free_blocks)
+        self._gauge("heterospec_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or "
+                    "evictable)", lambda: engine.block_manager.num_cached_blocks)
+        self._gauge("heterospec_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
+                    "tokens, since start", lambda: engine.stats.prefix_cache_hit_rate or 0.0)
+        r.register(_EngineStatsCollector(engine))
 
     def _gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         Gauge(name, documentation, registry=self.registry).set_function(read)
@@ -84,8 +89,8 @@ class ServerMetrics:
                 histogram.observe(seconds)
 
 
-class _SpeculationCollector:
-    """The engine's speculation counters (EngineStats), read at scrape time. Acceptance
+class _EngineStatsCollector:
+    """The engine's counters (EngineStats), read at scrape time. Acceptance
     rate = accepted / draft tokens; mean acceptance length = 1 + accepted / verify steps;
     target forward passes per output token = steps / generated tokens."""
 
@@ -102,6 +107,10 @@ class _SpeculationCollector:
                  stats.num_bonus_tokens),
                 ("heterospec_spec_recovered_tokens", "Verify steps ended by a rejection (recovered token)",
                  stats.num_recovered_tokens),
+                ("heterospec_prefix_cache_queries", "Prompt tokens of scheduled requests (looked up in the prefix "
+                 "cache)", stats.num_prompt_tokens_scheduled),
+                ("heterospec_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                 stats.num_cached_prompt_tokens),
                 ("heterospec_target_forward_passes", "Target model forward passes (engine steps)", stats.num_steps),
                 ("heterospec_target_tokens", "Tokens the target ran, draft nodes included",
                  stats.num_target_tokens),

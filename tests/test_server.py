@@ -40,7 +40,9 @@ METRIC_NAMES = ("heterospec_requests_total", "heterospec_generation_tokens_total
                 "heterospec_kv_cache_free_blocks", "heterospec_spec_draft_tokens_total",
                 "heterospec_spec_accepted_tokens_total", "heterospec_spec_verify_steps_total",
                 "heterospec_spec_accepted_per_position_total", "heterospec_target_forward_passes_total",
-                "heterospec_verify_busy_seconds_total", "heterospec_overlap_seconds_total")
+                "heterospec_verify_busy_seconds_total", "heterospec_overlap_seconds_total",
+                "heterospec_prefix_cache_queries_total", "heterospec_prefix_cache_hits_total",
+                "heterospec_prefix_cache_hit_rate", "heterospec_prefix_cache_blocks")
 ABORTED = 'heterospec_requests_total{finish_reason="abort"}'
 
 
@@ -208,6 +210,31 @@ def test_concurrent_requests_all_complete(served):
     assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
     assert all(1 <= r.usage.completion_tokens <= 8 for r in results)
     wait_idle(served.engine)
+
+
+def test_second_chat_turn_computes_only_the_new_turn(served):
+    """Multi-turn chat: the second turn's prompt is the first turn's prompt and answer plus
+    the new message; the prefix cache serves all of the first turn's full blocks, so the
+    prompt tokens computed are the new turn's, plus at most the block the turns share
+    partly. (usage.prompt_tokens_details.cached_tokens, OpenAI's field.)"""
+    engine, bs = served.engine, served.engine.config.block_size
+    turn1 = [{"role": "system", "content": "You answer in one short sentence. " * 6},
+             {"role": "user", "content": "Name a river in Europe."}]
+    first = served.client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=MAX_TOKENS, temperature=0)
+    answer = first.choices[0].message.content
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And one in Asia?"}]
+    second = served.client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=MAX_TOKENS,
+                                                   temperature=0)
+    ids1, ids2 = engine.tokenize(turn1), engine.tokenize(turn2)
+    committed = ids1 + engine.tokenizer(answer, add_special_tokens=False).input_ids
+    committed = committed[:len(ids1) + first.usage.completion_tokens - 1]  # the turn's last token had no KV
+    common = next((i for i, (a, b) in enumerate(zip(committed, ids2)) if a != b), min(len(committed), len(ids2)))
+    new_turn = len(ids2) - common
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens == len(ids2)
+    assert cached >= len(ids1) // bs * bs, "the first turn's prompt was not served from the cache"
+    assert new_turn <= len(ids2) - cached < new_turn + bs
+    assert metric(served.base_url, "heterospec_prefix_cache_hits_total") >= cached
 
 
 # ---- the other endpoints ----------------------------------------------------------------------
