@@ -66,8 +66,11 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    """`on_death(error)`, when given, is called from the loop thread if the loop dies."""
+
+    def __init__(self, engine: LLMEngine, on_death=None):
         self.engine = engine
+        self.on_death = on_death
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []  # guarded by _cond
         self._error: EngineDeadError | None = None  # guarded by _cond
@@ -84,6 +87,13 @@ class AsyncEngine:
     @property
     def error(self) -> EngineDeadError | None:
         return self._error
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the engine, or on their way to it."""
+        with self._cond:
+            pending = sum(isinstance(c, _Add) for c in self._commands)
+        return pending + len(self.engine.scheduler.waiting)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The engine's validated tokenization (ValueError if the prompt cannot run)."""
@@ -200,3 +210,5 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put(EngineDeadError(str(error)))
         self._streams.clear()
+        if self.on_death is not None and cause is not None:
+            self.on_death(error)

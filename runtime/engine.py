@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.block_manager import BlockManager
+from runtime.circuit_breaker import CircuitBreaker
 from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer, DetokenizerState, find_stop
+from runtime.logprobs import TokenLogprobs, token_logprobs
 from runtime.models.loader import load_model
 from runtime.rejection_sampler import RejectionSampler, Verdict
 from runtime.sampling_params import SamplingParams
@@ -50,8 +52,10 @@ class RequestOutput:
     new_token_ids: list[int]
     delta_text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None  # per output token so far, when the request asked for them
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -118,6 +122,7 @@ class StepTiming:
 class _RequestState:
     seq: Sequence
     detok: DetokenizerState = field(default_factory=DetokenizerState)
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
 
 
 class LLMEngine:
@@ -150,6 +155,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._next_id = 0
         self.proposers: dict[str, Proposer] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}  # per proposer: repeated failures turn it off a while
         self.spec_controller = SpeculationController(adaptive=config.adaptive_speculation)
         self.target_info = TargetInfo(mc.vocab_size, self.tokenizer, self.device, self.dtype, capacity,
                                       config.max_num_seqs, config.seed, self.model)
@@ -208,7 +214,7 @@ class LLMEngine:
         name = params.speculator or self.config.speculator
         if name != "none" and self._proposer(name).needs_features:
             seq.reads_prefix_cache = False  # the proposer needs the target's features of every token
-        self.requests[request_id] = _RequestState(seq)
+        self.requests[request_id] = _RequestState(seq, logprobs=None if params.logprobs is None else [])
         self.scheduler.add(seq)
         return request_id
 
@@ -240,8 +246,8 @@ class LLMEngine:
         """(speculator name, draft token cap) for seq this step; ("none", 0) when plain."""
         params = seq.params
         name = params.speculator or self.config.speculator
-        if name == "none":
-            return name, 0
+        if name == "none" or self._breaker(name).is_open:
+            return "none", 0
         cap = (params.num_speculative_tokens if params.num_speculative_tokens is not None
                else self.config.speculative_tokens(name))
         # the step emits accepted + 1 tokens: stay within max_tokens and the context
@@ -282,7 +288,9 @@ class LLMEngine:
                 trees = self._proposer(name).propose(requests)
             except Exception:  # a failing proposer costs its drafts, never the step
                 log.exception("proposer %s failed; these sequences decode without drafts this step", name)
+                self._breaker(name).record_failure()
                 continue
+            self._breaker(name).record_success()
             for (seq, budget), tree in zip(group, trees):
                 if len(tree):
                     seq.draft_tree = tree.truncated(budget)
@@ -290,11 +298,26 @@ class LLMEngine:
                     sequence_depths += seq.draft_tree.max_depth
         return depth, sequence_depths
 
+    def _breaker(self, name: str) -> CircuitBreaker:
+        breaker = self.breakers.get(name)
+        if breaker is None:
+            breaker = self.breakers[name] = CircuitBreaker(name)
+        return breaker
+
+    def _tell_proposer(self, name: str, what: str, *args) -> None:
+        """Call a proposer's bookkeeping hook; a failure there counts against it, never
+        against the request."""
+        try:
+            getattr(self.proposers[name], what)(*args)
+        except Exception:
+            log.exception("proposer %s failed in %s", name, what)
+            self._breaker(name).record_failure()
+
     def _release(self, seq: Sequence) -> None:
         """seq has left for good: its proposer and the controller forget it."""
         name = seq.params.speculator or self.config.speculator
         if name in self.proposers:
-            self.proposers[name].release(seq.request_id)
+            self._tell_proposer(name, "release", seq.request_id)
         self.spec_controller.release(seq.request_id)
 
     # ---- the step -----------------------------------------------------------------------
@@ -329,12 +352,13 @@ class LLMEngine:
         sampled = [i for i, needed in enumerate(needs_logits) if needed]
         verdicts = self.sampler(logits, [trees[i] for i in sampled], [batch.seqs[i].params for i in sampled],
                                 [batch.seqs[i].generator for i in sampled])
+        logprobs = self._logprobs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts, logits)
         if want_features:
             hidden = self._keep_features(batch, trees, needs_logits, verdicts, hidden)
         if want_hidden or any(p.needs_logits for p in self.proposers.values()):
             self._keep_last_outputs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts,
                                     logits, hidden)
-        outputs = self._commit(batch, trees, needs_logits, verdicts)
+        outputs = self._commit(batch, trees, needs_logits, verdicts, logprobs)
         end = time.perf_counter()
         self._record_timing(start, verify_start, verify_end, end)
         prefilling = any(not needed or n > 1 for n, needed in zip(batch.num_new_tokens, needs_logits))
@@ -356,6 +380,7 @@ class LLMEngine:
                 done = self.proposers[name].draft_ahead(verifying)
             except Exception:
                 log.exception("proposer %s failed to draft ahead", name)
+                self._breaker(name).record_failure()
                 continue
             if done is not None:
                 events.append(done)
@@ -385,7 +410,7 @@ class LLMEngine:
             verdict = next(next_verdict) if needed else None
             if needed:
                 logit_rows.extend(range(row + n - 1, row + n + len(tree)))
-            proposer = self.proposers.get(self._speculator_of(seq)[0])
+            proposer = self.proposers.get(seq.params.speculator or self.config.speculator)
             if proposer is not None and proposer.needs_features:
                 rows = list(range(row, row + n))
                 if verdict is not None and len(tree):
@@ -393,6 +418,20 @@ class LLMEngine:
                 seq.pending_features.append((seq.num_computed_tokens, hidden[rows]))
             row += n + len(tree)
         return hidden[logit_rows]
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], trees: list[DraftTree], verdicts: list[Verdict],
+                  logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Per request that asked for them, the logprobs of the tokens its verdict emits;
+        logits [R, V] hold 1 + len(tree) rows per sequence (root, then the nodes)."""
+        out = {}
+        row_start = 0
+        for seq, tree, verdict in zip(seqs, trees, verdicts):
+            if seq.params.logprobs is not None:
+                rows = [row_start] + [row_start + 1 + node for node in verdict.accepted_nodes]
+                out[seq.request_id] = token_logprobs(logits[rows], verdict.token_ids, seq.params.logprobs)
+            row_start += 1 + len(tree)
+        return out
 
     @staticmethod
     def _keep_last_outputs(seqs: list[Sequence], trees: list[DraftTree], verdicts: list[Verdict],
@@ -407,7 +446,7 @@ class LLMEngine:
             row_start += 1 + len(tree)
 
     def _commit(self, batch: ScheduledBatch, trees: list[DraftTree], needs_logits: list[bool],
-                verdicts: list[Verdict]) -> list[RequestOutput]:
+                verdicts: list[Verdict], logprobs: dict[str, list[TokenLogprobs]]) -> list[RequestOutput]:
         outputs = []
         next_verdict = iter(verdicts)
         src_slots: list[int] = []
@@ -433,17 +472,30 @@ class LLMEngine:
                         dst_slots.append(self.block_manager.slot(seq, root + depth))
                 seq.num_computed_tokens += len(verdict.accepted_nodes)
                 self._record_verification(seq, tree, verdict)
-            outputs.append(self._advance(seq, verdict.token_ids))
+            try:
+                outputs.append(self._advance(seq, verdict.token_ids, logprobs.get(seq.request_id)))
+            except Exception as e:  # this request fails alone; the batch goes on
+                log.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, e))
             if not seq.is_finished:  # (a finished sequence's blocks were cached as they were freed)
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
                 self.block_manager.cache_committed_blocks(seq)
                 if len(tree):
-                    self._proposer_of(seq).on_accepted(seq.request_id, seq.token_ids, len(verdict.accepted_nodes))
+                    self._tell_proposer(seq.params.speculator or self.config.speculator, "on_accepted",
+                                        seq.request_id, seq.token_ids, len(verdict.accepted_nodes))
         self.runner.commit_accepted(src_slots, dst_slots)
         return outputs
 
-    def _proposer_of(self, seq: Sequence) -> Proposer:
-        return self.proposers[seq.params.speculator or self.config.speculator]
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End seq with finish reason "error" (its blocks come back) and say why."""
+        state = self.requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+            self._release(seq)
+        self.stats.num_finished += 1
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.output_text, [], "",
+                             True, "error", seq.metrics, None if state is None else state.logprobs,
+                             f"{type(error).__name__}: {error}")
 
     def _record_verification(self, seq: Sequence, tree: DraftTree, verdict: Verdict) -> None:
         num_accepted = len(verdict.accepted_nodes)
@@ -459,9 +511,10 @@ class LLMEngine:
             stats.num_recovered_tokens += 1
         count_accepted_positions(stats.accepted_per_position, num_accepted)
 
-    def _advance(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
+    def _advance(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         """Append the step's tokens one by one (detokenize, apply the stop conditions) until
-        they run out or the request finishes; report what was appended."""
+        they run out or the request finishes; report what was appended (and, when asked
+        for, its logprobs)."""
         state = self.requests[seq.request_id]
         params = seq.params
         appended: list[int] = []
@@ -495,8 +548,11 @@ class LLMEngine:
                 self._release(seq)
                 self.stats.num_finished += 1
                 break
+        if state.logprobs is not None:
+            state.logprobs.extend(logprobs[:len(appended)])
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.output_text,
-                             appended, delta_text, reason is not None, reason, seq.metrics)
+                             appended, delta_text, reason is not None, reason, seq.metrics,
+                             None if state.logprobs is None else list(state.logprobs))
 
 
 _EMPTY_TREE = DraftTree([], [])

@@ -1,11 +1,20 @@
 """The OpenAI wire format: request bodies and their conversion to SamplingParams, the error
 body, and the response and stream-chunk bodies of /v1/completions and /v1/chat/completions.
 
-Both endpoints take stream (SSE `data: {...}` chunks, then `data: [DONE]`),
+Both endpoints take n (choices sampled per prompt; choice i of a seeded request uses
+seed + i), stream (SSE `data: {...}` chunks, then `data: [DONE]`),
 stream_options.include_usage (a last chunk with usage and no choices), max_tokens (chat
-also max_completion_tokens), temperature, top_p, seed, stop, and the extensions top_k,
-ignore_eos, stop_token_ids and include_stop_str_in_output. Unknown fields are ignored,
-as OpenAI does; n must be 1 (n > 1 comes later).
+also max_completion_tokens), temperature, top_p, seed, stop, logprobs (completions: the
+number of most likely tokens to list; chat: a bool, with top_logprobs), user, and the
+extensions top_k, ignore_eos, stop_token_ids, include_stop_str_in_output and
+`speculation` (this request's proposer: {"method": "lookahead", "num_speculative_tokens":
+4}, or "off"). Unknown fields are ignored, as OpenAI does.
+
+Logprobs are the model's own distribution, before temperature and top-k/top-p
+(runtime.logprobs). `usage` has OpenAI's counts, prompt_tokens_details.cached_tokens
+(the prefix cache's share of the prompt), and an extension, `metrics`: TTFT, TPOT and
+end-to-end seconds and the speculation figures (draft tokens proposed and accepted,
+verify steps, mean acceptance length).
 
 max_tokens when absent: 16 for completions (OpenAI's default on that endpoint); for
 chat, all the context the prompt leaves (max_model_len - prompt tokens), as OpenAI and
@@ -21,10 +30,15 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from runtime.engine import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.logprobs import TokenLogprobs
+from runtime.sampling_params import MAX_LOGPROBS, SPECULATORS, SamplingParams
+
+MAX_N = 16  # choices per request
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -33,9 +47,10 @@ class ApiError(Exception):
     """A request the server refuses, with the HTTP status and OpenAI error fields to send."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -64,6 +79,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculationOptions(BaseModel):
+    """The `speculation` extension: which proposer drafts for this request, and how much."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, not silently ignored
+
+    method: str
+    num_speculative_tokens: int | None = None
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share; anything else in the body is ignored."""
 
@@ -80,9 +104,11 @@ class GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
+    user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    speculation: SpeculationOptions | Literal["off"] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -92,24 +118,53 @@ class GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Most likely tokens to list per position; None: no logprobs."""
+        raise NotImplementedError
+
     def check(self, served_model_name: str) -> None:
-        """Refuse a request for another model, or for more than one choice."""
+        """Refuse a request for another model, or for too many choices."""
         if self.model and self.model != served_model_name:
             raise ApiError(f"the model {self.model!r} does not exist; this server serves {served_model_name!r}",
                            "model", status=404, code="model_not_found")
-        if self.n not in (None, 1):
-            raise ApiError(f"n must be 1 for now (n > 1 is not supported yet), got {self.n}", "n")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise ApiError(f"n must be from 1 to {MAX_N}, got {self.n}", "n")
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
+        """One SamplingParams per choice (choice i of a seeded request is seeded seed + i)."""
         max_tokens = self._max_tokens(num_prompt_tokens, max_model_len)
+        speculator, num_speculative_tokens = self._speculation()
         try:
-            return SamplingParams(
+            return [SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                seed=None if self.seed is None else self.seed + i, stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
+                speculator=speculator, num_speculative_tokens=num_speculative_tokens)
+                for i in range(self.num_choices)]
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise ApiError(str(e), str(e).split()[0]) from None
+
+    def _speculation(self) -> tuple[str | None, int | None]:
+        """(speculator, draft tokens) of the `speculation` extension; (None, None): the server's."""
+        options = self.speculation
+        if options is None:
+            return None, None
+        if options == "off":
+            return "none", None
+        if options.method not in SPECULATORS:
+            raise ApiError(f"speculation.method must be one of {', '.join(SPECULATORS)}, got {options.method!r}",
+                           "speculation")
+        tokens = options.num_speculative_tokens
+        if tokens is not None and not 0 <= tokens <= 64:
+            raise ApiError(f"speculation.num_speculative_tokens must be from 0 to 64, got {tokens}", "speculation")
+        return options.method, tokens
 
     def _max_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """The requested max tokens, if the context has room for them; else the default."""
@@ -128,6 +183,13 @@ class CompletionRequest(GenerationRequest):
     default_max_tokens: ClassVar[int | None] = 16
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ApiError(f"logprobs must be from 0 to {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        return self.logprobs
 
     def to_prompt(self) -> str | list[int]:
         """The one prompt of the request: a batch of prompts is refused unless it holds one."""
@@ -146,7 +208,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
@@ -163,6 +225,16 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -170,7 +242,8 @@ class ChatCompletionRequest(GenerationRequest):
 
     def to_prompt(self) -> list[dict]:
         """The messages as the engine's chat template takes them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        # chat templates know "system"; OpenAI's "developer" messages are the same thing
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 # ---- response bodies ----------------------------------------------------------------------------
@@ -190,69 +263,118 @@ def sse(data: dict) -> str:
     return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def _usage(out: RequestOutput) -> dict:
-    num_prompt, num_output = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI's usage of a request's choices (the last output of each), plus `metrics`."""
+    num_prompt, num_output = len(outputs[0].prompt_token_ids), sum(len(out.token_ids) for out in outputs)
+    metrics = [out.metrics for out in outputs]
+    tpots = [m.tpot_s for m in metrics if m.tpot_s is not None]
+    ttfts = [m.ttft_s for m in metrics if m.ttft_s is not None]
+    e2es = [m.e2e_s for m in metrics if m.e2e_s is not None]
+    accepted, verify_steps = sum(m.num_accepted_tokens for m in metrics), sum(m.num_verify_steps for m in metrics)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": metrics[0].num_cached_tokens},
+            "metrics": {"ttft_s": min(ttfts, default=None), "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+                        "e2e_s": max(e2es, default=None),
+                        "draft_tokens": sum(m.num_draft_tokens for m in metrics), "accepted_tokens": accepted,
+                        "verify_steps": verify_steps,
+                        "mean_acceptance_length": 1 + accepted / verify_steps if verify_steps else None}}
+
+
+def new_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
+    """The logprobs of the tokens this output adds."""
+    if out.logprobs is None or not out.new_token_ids:
+        return []
+    return out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
 
 
 class CompletionFormat:
-    """Bodies of /v1/completions: one response, or stream chunks of the same object type."""
+    """Bodies of /v1/completions: one response, or stream chunks of the same object type.
+    `token_text` turns a token id into its text (for logprobs)."""
 
     id_prefix = "cmpl"
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, model: str, include_usage: bool):
+    def __init__(self, model: str, include_usage: bool, token_text: Callable[[int], str]):
         self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.model, self.include_usage = model, include_usage
+        self.model, self.include_usage, self.token_text = model, include_usage, token_text
         self.created = int(time.time())
+        self.text_offsets: dict[int, int] = {}  # choice -> text length of the tokens listed so far
 
     def envelope(self, object_type: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.request_id, "object": object_type, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def chunk(self, choice: dict) -> dict:
+    def chunk(self, index: int, choice: dict, logprobs: dict | None = None) -> dict:
         extra = {"usage": None} if self.include_usage else {}
-        return self.envelope(self.chunk_object, [{"index": 0, **choice, "logprobs": None}], **extra)
+        return self.envelope(self.chunk_object, [{"index": index, **choice, "logprobs": logprobs}], **extra)
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self.envelope(self.chunk_object, [], usage=_usage(out))
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return self.envelope(self.chunk_object, [], usage=usage(outputs))
 
-    def response(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        return self.envelope(self.object, [choice], usage=_usage(out))
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = [{"index": i, "text": out.text, "logprobs": self.logprobs(i, out.logprobs),
+                    "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]
+        return self.envelope(self.object, choices, usage=usage(outputs))
 
-    def chunks(self, out: RequestOutput) -> list[dict]:
-        if not out.delta_text and not out.finished:
+    def chunks(self, index: int, out: RequestOutput) -> list[dict]:
+        if not out.delta_text and not out.finished and not new_logprobs(out):
             return []
-        return [self.chunk({"text": out.delta_text, "finish_reason": out.finish_reason})]
+        logprobs = self.logprobs(index, new_logprobs(out)) if out.logprobs is not None else None
+        return [self.chunk(index, {"text": out.delta_text, "finish_reason": out.finish_reason}, logprobs)]
+
+    def logprobs(self, index: int, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The legacy completions layout: parallel lists, top tokens as {text: logprob}."""
+        if entries is None:
+            return None
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
 
 class ChatFormat(CompletionFormat):
-    """Bodies of /v1/chat/completions: the role comes in the first chunk, then content deltas,
-    then a chunk with an empty delta and the finish reason."""
+    """Bodies of /v1/chat/completions: the role comes in each choice's first chunk, then
+    content deltas, then a chunk with an empty delta and the finish reason."""
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool):
-        super().__init__(model, include_usage)
-        self.sent_role = False
+    def __init__(self, model: str, include_usage: bool, token_text: Callable[[int], str]):
+        super().__init__(model, include_usage, token_text)
+        self.sent_role: set[int] = set()
 
-    def response(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": out.finish_reason}
-        return self.envelope(self.object, [choice], usage=_usage(out))
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self.logprobs(i, out.logprobs), "finish_reason": out.finish_reason}
+                   for i, out in enumerate(outputs)]
+        return self.envelope(self.object, choices, usage=usage(outputs))
 
-    def chunks(self, out: RequestOutput) -> list[dict]:
+    def chunks(self, index: int, out: RequestOutput) -> list[dict]:
         chunks = []
-        if not self.sent_role:
-            self.sent_role = True
-            chunks.append(self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
-        if out.delta_text:
-            chunks.append(self.chunk({"delta": {"content": out.delta_text}, "finish_reason": None}))
+        if index not in self.sent_role:
+            self.sent_role.add(index)
+            chunks.append(self.chunk(index, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+        logprobs = self.logprobs(index, new_logprobs(out)) if out.logprobs is not None else None
+        if out.delta_text or (logprobs and logprobs["content"]):
+            chunks.append(self.chunk(index, {"delta": {"content": out.delta_text}, "finish_reason": None}, logprobs))
         if out.finished:
-            chunks.append(self.chunk({"delta": {}, "finish_reason": out.finish_reason}))
+            chunks.append(self.chunk(index, {"delta": {}, "finish_reason": out.finish_reason}))
         return chunks
+
+    def logprobs(self, index: int, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The chat layout: one object per token, with its bytes and its top alternatives."""
+        if entries is None:
+            return None
+
+        def token(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}

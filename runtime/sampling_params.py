@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 # Proposer names (speculators/); "none" is plain decoding.
 SPECULATORS = ("none", "ngram", "lookahead", "draft", "eagle", "medusa")
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 
 
 def check_speculator(name: str) -> None:
@@ -30,6 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # the log probability of each output token and of the `logprobs` most likely tokens at its
+    # position (runtime.logprobs); None = none reported
+    logprobs: int | None = None
     # speculation for this request; None = the engine's setting, "none" or 0 tokens = off
     speculator: str | None = None
     num_speculative_tokens: int | None = None
@@ -55,6 +59,9 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.speculator is not None:
             check_speculator(self.speculator)
         if self.num_speculative_tokens is not None and (

@@ -7,17 +7,35 @@
     GET  /metrics               Prometheus text (runtime.server_metrics)
 
 The fields each generation endpoint takes, and the bodies it returns, are in
-runtime.openai_protocol. Bad input is a 400 with OpenAI's error body, never a 500. All
+runtime.openai_protocol. Bad input is a 4xx with OpenAI's error body, never a 500. All
 requests share one engine through runtime.async_engine (continuous batching); a client that
 disconnects, streaming or not, has its request aborted, so its KV blocks come back at once.
+
+Production behaviour:
+  - `--api-key` (or HETEROSPEC_API_KEY): every endpoint but /health wants
+    `Authorization: Bearer KEY`; anything else is a 401.
+  - `--max-waiting-requests`: beyond that many requests waiting to run, a new one is a 429
+    with Retry-After (the seconds the queue should take to drain at the recent finish rate).
+  - A request that fails inside the engine (detokenization, say) is a 500 for it alone; if
+    the engine loop itself dies, /health says 503 and the process exits with status 1.
+  - SIGTERM: stop accepting, let in-flight requests finish for up to `--shutdown-timeout`
+    seconds, abort the rest, exit 0.
+  - One JSON log line per finished request (logger runtime.requests): id, status, tokens,
+    cached tokens, TTFT, TPOT, e2e, speculation figures.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import json
 import logging
+import math
+import os
+import signal
 import sys
 import time
+from collections import deque
 from typing import AsyncIterator
 
 import uvicorn
@@ -33,6 +51,7 @@ from runtime.models.config import UnsupportedModelError
 from runtime.models.loader import DEFAULT_MODEL, ModelNotFoundError
 from runtime.openai_protocol import (SSE_DONE, ApiError, ChatCompletionRequest, ChatFormat, CompletionFormat,
                                      CompletionRequest, error_body, model_list, sse, validation_error)
+from runtime.sampling_params import SamplingParams
 from runtime.server_metrics import ServerMetrics
 
 
@@ -54,7 +73,12 @@ def api_error(e: Exception) -> ApiError:
 
 async def error_response(_: Request, e: Exception) -> JSONResponse:
     error = api_error(e)
-    return JSONResponse(error.body(), error.status)
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+def unauthorized() -> JSONResponse:
+    return JSONResponse(error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                   "invalid_request_error", code="invalid_api_key"), 401)
 
 
 # ---- endpoints ----------------------------------------------------------------------------------
@@ -62,13 +86,16 @@ async def error_response(_: Request, e: Exception) -> JSONResponse:
 class OpenAIServer:
     """The endpoints, around one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_waiting_requests: int = 256):
         self.engine = engine
         self.model_name = served_model_name
         self.max_model_len = engine.engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
         self.metrics = ServerMetrics(engine.engine)
         self.created = int(time.time())
+        self.finish_times: deque[float] = deque(maxlen=64)  # recent finishes, for Retry-After
         self._watchers: set[asyncio.Task] = set()
+        self.token_text = lambda token_id: engine.engine.tokenizer.decode([token_id], skip_special_tokens=True)
 
     async def health(self) -> JSONResponse:
         if self.engine.is_dead:
@@ -79,10 +106,11 @@ class OpenAIServer:
         return model_list(self.model_name, self.created, self.max_model_len)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        return await self.generate(body, CompletionFormat(self.model_name, body.include_usage), request)
+        return await self.generate(body, CompletionFormat(self.model_name, body.include_usage, self.token_text),
+                                   request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        return await self.generate(body, ChatFormat(self.model_name, body.include_usage), request)
+        return await self.generate(body, ChatFormat(self.model_name, body.include_usage, self.token_text), request)
 
     # ---- shared steps ---------------------------------------------------------------------
     async def generate(self, body: CompletionRequest | ChatCompletionRequest, fmt: CompletionFormat,
@@ -90,15 +118,11 @@ class OpenAIServer:
         body.check(self.model_name)
         prompt = self.tokenize(body.to_prompt(), body.prompt_param)
         params = body.sampling_params(len(prompt), self.max_model_len)
-        try:
-            outputs = await self.engine.add_request(prompt, params, fmt.request_id)
-        except ValueError as e:
-            raise ApiError(str(e)) from None
-        self.abort_when_done(request, fmt.request_id)
-        outputs = self.metrics.observe(outputs)
+        self.check_queue(len(params))
+        choices = await self.add_choices(prompt, params, fmt.request_id, request)
         if body.stream:
-            return StreamingResponse(self.stream(outputs, fmt), media_type="text/event-stream")
-        return await self.respond(outputs, fmt)
+            return StreamingResponse(self.stream(choices, fmt), media_type="text/event-stream")
+        return await self.respond(choices, fmt)
 
     def tokenize(self, prompt: Prompt, param: str) -> list[int]:
         try:
@@ -106,25 +130,79 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(str(e), param) from None
 
-    async def respond(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat) -> Response:
-        last = None
-        async for last in outputs:
-            pass
-        if last is None or not last.finished:
+    def check_queue(self, num_new: int) -> None:
+        """429 when the waiting queue is full; Retry-After estimates when it will have room."""
+        waiting = self.engine.num_waiting
+        if waiting + num_new <= self.max_waiting_requests:
+            return
+        times = self.finish_times
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 1.0
+        retry_after = min(60, max(1, math.ceil((waiting + num_new - self.max_waiting_requests) / rate)))
+        raise ApiError(f"the server is busy: {waiting} requests are waiting (the limit is "
+                       f"{self.max_waiting_requests}); retry in {retry_after} s", status=429, type="rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
+
+    async def add_choices(self, prompt: list[int], params: list[SamplingParams], request_id: str,
+                          request: Request) -> list[AsyncIterator[RequestOutput]]:
+        """Queue one engine request per choice (ids request_id-0, -1, ...); all or none."""
+        choices: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, choice_params in enumerate(params):
+                choice_id = f"{request_id}-{i}"
+                outputs = await self.engine.add_request(prompt, choice_params, choice_id)
+                self.abort_when_done(request, choice_id)
+                choices.append(self.metrics.observe(self.log_finished(outputs, choice_id, request)))
+        except BaseException as e:
+            for i in range(len(choices)):
+                self.engine.abort(f"{request_id}-{i}")
+            if isinstance(e, ValueError):
+                raise ApiError(str(e)) from None
+            raise
+        return choices
+
+    async def respond(self, choices: list[AsyncIterator[RequestOutput]], fmt: CompletionFormat) -> Response:
+        last: list[RequestOutput | None] = [None] * len(choices)
+        async for index, out in merge(choices):
+            last[index] = out
+        if any(out is None or not out.finished for out in last):
             return Response(status_code=499)  # aborted: the client went away and reads nothing
+        failed = next((out for out in last if out.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(f"the request failed: {failed.error}", status=500, type="internal_error")
         return JSONResponse(fmt.response(last))
 
-    async def stream(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat) -> AsyncIterator[str]:
-        last = None
+    async def stream(self, choices: list[AsyncIterator[RequestOutput]], fmt: CompletionFormat) -> AsyncIterator[str]:
+        last: list[RequestOutput | None] = [None] * len(choices)
         try:
-            async for last in outputs:
-                for chunk in fmt.chunks(last):
+            async for index, out in merge(choices):
+                last[index] = out
+                if out.finish_reason == "error":
+                    yield sse(error_body(f"the request failed: {out.error}", "internal_error"))
+                    break
+                for chunk in fmt.chunks(index, out):
                     yield sse(chunk)
-            if fmt.include_usage and last is not None and last.finished:
-                yield sse(fmt.usage_chunk(last))
+            else:
+                if fmt.include_usage and all(out is not None and out.finished for out in last):
+                    yield sse(fmt.usage_chunk(last))
         except EngineDeadError as e:
             yield sse(error_body(str(e), "service_unavailable"))
         yield SSE_DONE
+
+    async def log_finished(self, outputs: AsyncIterator[RequestOutput], request_id: str,
+                           request: Request) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through; when the request ends, log one JSON line about it."""
+        last, status = None, "abort"
+        try:
+            async for last in outputs:
+                if last.finished:
+                    status = last.finish_reason
+                    self.finish_times.append(time.monotonic())
+                yield last
+        except EngineDeadError:
+            status = "error"
+            raise
+        finally:
+            log_request(request_id, status, last)
 
     def abort_when_done(self, request: Request, request_id: str) -> None:
         """Abort the request when its HTTP exchange ends: a no-op once the request has
@@ -139,9 +217,89 @@ class OpenAIServer:
         task.add_done_callback(self._watchers.discard)
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
+async def merge(choices: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all choices as they come. Closing it (or an error in a
+    choice) closes every choice, which aborts those still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in outputs:
+                await queue.put((index, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, e))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+request_log = logging.getLogger("runtime.requests")
+
+
+def log_request(request_id: str, status: str, last: RequestOutput | None) -> None:
+    """One structured line per finished (or aborted, or failed) request."""
+    record: dict = {"event": "request_finished", "id": request_id, "status": status}
+    if last is not None:
+        m = last.metrics
+        record.update(prompt_tokens=len(last.prompt_token_ids), completion_tokens=len(last.token_ids),
+                      cached_tokens=m.num_cached_tokens, ttft_s=_round(m.ttft_s), tpot_s=_round(m.tpot_s),
+                      e2e_s=_round(m.e2e_s), draft_tokens=m.num_draft_tokens, accepted_tokens=m.num_accepted_tokens,
+                      acceptance_length=_round(m.mean_acceptance_length))
+        if last.error:
+            record["error"] = last.error
+    request_log.info(json.dumps(record))
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+class Guard:
+    """ASGI middleware: the API key check (every path but /health) and the count of HTTP
+    responses by status. Pure ASGI, so that streaming and disconnects pass through as they are."""
+
+    def __init__(self, app, api_key: str | None, count_status):
+        self.app, self.count_status = app, count_status
+        self.expected = None if not api_key else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.count_status(401)
+                return await unauthorized()(scope, receive, send)
+
+        async def send_counting(message) -> None:
+            if message["type"] == "http.response.start":
+                self.count_status(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_waiting_requests: int = 256) -> FastAPI:
     app = FastAPI(title="heterospec", summary="OpenAI-compatible API")
-    app.state.server = server = OpenAIServer(async_engine, served_model_name)
+    app.state.server = server = OpenAIServer(async_engine, served_model_name, max_waiting_requests)
+    app.add_middleware(Guard, api_key=api_key, count_status=server.metrics.count_http_status)
     for exc_type in (ApiError, RequestValidationError, StarletteHTTPException, EngineDeadError, Exception):
         app.add_exception_handler(exc_type, error_response)
     app.get("/health")(server.health)
@@ -178,6 +336,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "default: 0.8 of free GPU memory, 0.1 of free host memory")
     p.add_argument("--seed", type=int, help="seeds the sampler of requests that bring no seed of their own")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--api-key", default=os.environ.get("HETEROSPEC_API_KEY"),
+                   help="demand 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$HETEROSPEC_API_KEY; unset: no key)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait for a place in the batch; beyond, 429 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     add_speculation_args(p)
     return p.parse_args(argv)
@@ -191,19 +357,38 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM / SIGINT (exit 0 after draining) or until the engine loop dies
+    (exit 1)."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting_requests < 1 or args.shutdown_timeout < 0:
+        print("error: --max-waiting-requests must be >= 1 and --shutdown-timeout >= 0", file=sys.stderr)
+        sys.exit(2)
     try:
         engine = LLMEngine(engine_config(args))
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, args.served_model_name or args.model)
+    deaths: list[Exception] = []
+
+    def on_death(error: Exception) -> None:  # from the engine loop thread; uvicorn polls should_exit
+        deaths.append(error)
+        server.should_exit = True
+
+    async_engine = AsyncEngine(engine, on_death=on_death)
+    app = build_app(async_engine, args.served_model_name or args.model, args.api_key, args.max_waiting_requests)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn drains on SIGTERM, then raises the signal again for the handler it found: make
+    # that one a no-op, so that a drained server exits 0 rather than dying of the signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         async_engine.shutdown()
+    if deaths:
+        print(f"error: {deaths[0]}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Prometheus metrics of one server app: requests by finish reason (stop, length, abort,
-error), prompt and generated tokens, TTFT/TPOT/e2e latency histograms, gauges of
+error), HTTP responses by status, prompt and generated tokens, TTFT/TPOT/e2e latency
+histograms, preemptions, gauges of
 running/waiting sequences, used/free KV cache blocks and the prefix cache (cached blocks,
 hit rate; queries and hits as counters), and the engine's speculation
 counters (draft tokens verified, accepted, verify steps, bonus/recovered tokens, accepted
-per draft position, target forward passes).
+per draft position, target forward passes, draft/verify/overlap seconds and the overlap
+fraction, proposer failures and circuit breakers).
 
 Each app has a registry of its own, so apps may share a process (the tests run several).
 """
@@ -13,7 +15,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 
 from runtime.async_engine import EngineDeadError
@@ -34,6 +36,8 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("heterospec_requests", "Finished requests by finish reason "
                                 "(stop, length, abort, error)", ["finish_reason"], registry=r)
+        self.http_responses = Counter("heterospec_http_responses", "HTTP responses by status code", ["status"],
+                                      registry=r)
         self.prompt_tokens = Counter("heterospec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("heterospec_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("heterospec_time_to_first_token_seconds", "Time to first token",
@@ -52,9 +56,14 @@ class ServerMetrics:
                     "evicted included)", lambda: engine.block_manager.num_free_blocks)
         self._gauge("heterospec_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or "
                     "evictable)", lambda: engine.block_manager.num_cached_blocks)
+        self._gauge("heterospec_spec_overlap_fraction", "Share of the target's busy time during which a draft "
+                    "worker computed too, since start", lambda: engine.stats.overlap_fraction or 0.0)
         self._gauge("heterospec_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
                     "tokens, since start", lambda: engine.stats.prefix_cache_hit_rate or 0.0)
         r.register(_EngineStatsCollector(engine))
+
+    def count_http_status(self, status: int) -> None:
+        self.http_responses.labels(status=str(status)).inc()
 
     def _gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         Gauge(name, documentation, registry=self.registry).set_function(read)
@@ -107,6 +116,8 @@ class _EngineStatsCollector:
                  stats.num_bonus_tokens),
                 ("heterospec_spec_recovered_tokens", "Verify steps ended by a rejection (recovered token)",
                  stats.num_recovered_tokens),
+                ("heterospec_num_preemptions", "Sequences preempted (KV freed, recomputed later)",
+                 stats.num_preemptions),
                 ("heterospec_prefix_cache_queries", "Prompt tokens of scheduled requests (looked up in the prefix "
                  "cache)", stats.num_prompt_tokens_scheduled),
                 ("heterospec_prefix_cache_hits", "Prompt tokens served from the prefix cache",
@@ -124,3 +135,12 @@ class _EngineStatsCollector:
         for depth, count in enumerate(list(stats.accepted_per_position), start=1):
             per_position.add_metric([str(depth)], count)
         yield per_position
+        failures = CounterMetricFamily("heterospec_spec_proposer_failures", "Proposer calls that raised",
+                                       labels=["proposer"])
+        disabled = GaugeMetricFamily("heterospec_spec_proposer_disabled", "1 while a proposer's circuit breaker "
+                                     "keeps its requests decoding without speculation", labels=["proposer"])
+        for name, breaker in list(self.engine.breakers.items()):
+            failures.add_metric([name], breaker.num_failures)
+            disabled.add_metric([name], float(breaker.is_open))
+        yield failures
+        yield disabled

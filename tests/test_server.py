@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import httpx
@@ -293,14 +294,33 @@ def test_malformed_json(served):
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 10_000}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "speculation": {"method": "psychic"}}, "speculation"),
+    ("/v1/completions", {"prompt": PROMPT, "speculation": {"method": "ngram", "num_speculative_tokens": -1}},
+     "speculation"),
+    ("/v1/completions", {"prompt": PROMPT, "speculation": {"method": "ngram", "tokens": 4}}, "speculation"),
+    ("/v1/completions", {"prompt": PROMPT, "speculation": "sometimes"}, "speculation"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", [PROMPT], "body"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
 ])
 def test_bad_fields(served, path, body, param):
     error = assert_error(httpx.post(f"{served.base_url}{path}", json=body))
     assert error["param"] == param
+
+
+def test_invalid_utf8_body(served):
+    resp = httpx.post(f"{served.base_url}/v1/completions", content=b'{"prompt": "caf\xe9 \xff"}',
+                      headers={"content-type": "application/json"})
+    assert_error(resp)
+    assert httpx.get(f"{served.base_url}/health").status_code == 200
 
 
 def test_negative_temperature(served):
@@ -383,6 +403,7 @@ class BrokenEngine:
 
     def __init__(self):
         self.has_unfinished = False
+        self.scheduler = SimpleNamespace(waiting=[])
 
     def prompt_token_ids(self, prompt) -> list[int]:
         return [1, 2, 3]
@@ -417,3 +438,12 @@ def test_dead_engine_loop_ends_a_stream_with_an_error_event():
             events = sse_events(resp.iter_lines())
     assert events[-1] == "[DONE]"
     assert "boom" in json.loads(events[-2])["error"]["message"]
+
+
+def test_dead_engine_loop_calls_on_death():
+    """runtime.serve exits 1 through this callback when the engine loop dies."""
+    deaths = []
+    async_engine = AsyncEngine(BrokenEngine(), on_death=deaths.append)
+    with serving(build_app(async_engine, MODEL)) as base_url:
+        assert httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 503
+    assert len(deaths) == 1 and "boom" in str(deaths[0])
