@@ -36,6 +36,7 @@ import signal
 import sys
 import time
 from collections import deque
+from contextlib import aclosing
 from typing import AsyncIterator
 
 import uvicorn
@@ -174,16 +175,17 @@ class OpenAIServer:
     async def stream(self, choices: list[AsyncIterator[RequestOutput]], fmt: CompletionFormat) -> AsyncIterator[str]:
         last: list[RequestOutput | None] = [None] * len(choices)
         try:
-            async for index, out in merge(choices):
-                last[index] = out
-                if out.finish_reason == "error":
-                    yield sse(error_body(f"the request failed: {out.error}", "internal_error"))
-                    break
-                for chunk in fmt.chunks(index, out):
-                    yield sse(chunk)
-            else:
-                if fmt.include_usage and all(out is not None and out.finished for out in last):
-                    yield sse(fmt.usage_chunk(last))
+            async with aclosing(merge(choices)) as merged:  # a failed choice stops the others at once
+                async for index, out in merged:
+                    last[index] = out
+                    if out.finish_reason == "error":
+                        yield sse(error_body(f"the request failed: {out.error}", "internal_error"))
+                        break
+                    for chunk in fmt.chunks(index, out):
+                        yield sse(chunk)
+                else:
+                    if fmt.include_usage and all(out is not None and out.finished for out in last):
+                        yield sse(fmt.usage_chunk(last))
         except EngineDeadError as e:
             yield sse(error_body(str(e), "service_unavailable"))
         yield SSE_DONE
