@@ -14,6 +14,7 @@ from runtime.sampling_params import SPECULATORS, check_speculator
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8, "draft": 6, "medusa": 16, "eagle": 16}
 DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3, "draft": 2, "medusa": 3, "eagle": 4}
 DRAFT_DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def amx_available() -> bool:
@@ -35,6 +36,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of committed tokens across requests
     kv_cache_memory: str | int | float | None = None  # bytes, "2GiB", or a fraction of free memory
     seed: int | None = None
+    attention_backend: str = "auto"  # auto | torch | triton: auto is Triton on CUDA when it can run there, else torch
+    enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (they need CUDA and the Triton backend)
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         check_speculator(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
@@ -156,10 +161,16 @@ class EngineConfig:
         return 0.8 if device.type == "cuda" else 0.1
 
 
-def add_speculation_args(parser) -> None:
-    """The speculation flags, shared by runtime.serve and runtime.generate; each defaults to
-    None so that EngineConfig's default applies."""
+def add_engine_args(parser) -> None:
+    """The flags shared by runtime.serve and runtime.generate: the target's attention backend
+    and speculation; each defaults to None so that EngineConfig's default applies."""
     d = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                        help="attention over the KV cache: torch (the PyTorch reference) or triton (CUDA kernels); "
+                             f"default: {d['attention_backend']} = triton on CUDA when it can run there, else torch")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="do not capture CUDA graphs for decode and verify steps (they are used on CUDA with "
+                             "the triton attention backend)")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", choices=SPECULATORS,
                    help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model, medusa "
@@ -217,7 +228,9 @@ def add_speculation_args(parser) -> None:
                         "acceptance and step costs")
 
 
-SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min",
-                    "prompt_lookup_max", "lookahead_global_nodes", "adaptive_speculation", "draft_model",
-                    "draft_device", "draft_dtype", "draft_backend", "draft_quantization", "draft_cpu_cores",
-                    "draft_min_path_prob", "draft_overlap", "medusa_heads", "medusa_tree", "eagle_head", "eagle_depth")
+# EngineConfig fields set by add_engine_args' flags
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "speculator", "num_speculative_tokens",
+               "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max", "lookahead_global_nodes",
+               "adaptive_speculation", "draft_model", "draft_device", "draft_dtype", "draft_backend",
+               "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap", "medusa_heads",
+               "medusa_tree", "eagle_head", "eagle_depth")

@@ -34,7 +34,7 @@ from runtime.sequence import RequestMetrics, Sequence, count_accepted_positions
 from runtime.speculation import SpeculationController
 from speculators import DraftTree, ProposalRequest, Proposer, TargetInfo, build_proposer
 from target_gpu.kv_cache import bytes_per_block, parse_memory
-from target_gpu.model_runner import ModelRunner
+from target_gpu.model_runner import GraphLimits, ModelRunner
 
 log = logging.getLogger("runtime.engine")
 
@@ -146,7 +146,11 @@ class LLMEngine:
                  "max_model_len %d", config.model, mc.architecture, mc.num_layers, self.device, self.dtype,
                  num_blocks, config.block_size, capacity, num_blocks * per_block / 2**20, self.max_model_len)
         self.kv_capacity_tokens = capacity
-        self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            graphs = GraphLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
+                                  config.attention_backend, graphs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from runtime.config import SPECULATION_ARGS, add_speculation_args
+from runtime.config import ENGINE_ARGS, add_engine_args
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256,
                    help="prompts generated together; each batch is written before the next is read "
                         "(default: %(default)s)")
-    add_speculation_args(p)
+    add_engine_args(p)
     return p
 
 
@@ -176,7 +176,7 @@ def _load(args) -> LLM:
     from runtime.llm import LLM
     from runtime.models.loader import resolve_model
     resolve_model(args.model)  # a missing model fails here, before torch loads anything big
-    speculation = {name: getattr(args, name) for name in SPECULATION_ARGS if getattr(args, name) is not None}
+    speculation = {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name) is not None}
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, **speculation)

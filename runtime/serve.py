@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, EngineDeadError
-from runtime.config import SPECULATION_ARGS, EngineConfig, add_speculation_args
+from runtime.config import ENGINE_ARGS, EngineConfig, add_engine_args
 from runtime.engine import LLMEngine, Prompt, RequestOutput
 from runtime.models.config import UnsupportedModelError
 from runtime.models.loader import DEFAULT_MODEL, ModelNotFoundError
@@ -347,14 +347,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                         "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    add_speculation_args(p)
+    add_engine_args(p)
     return p.parse_args(argv)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags that were given; the rest keep EngineConfig's defaults."""
     names = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "block_size", "enable_prefix_caching", "kv_cache_memory", "seed") + SPECULATION_ARGS
+             "block_size", "enable_prefix_caching", "kv_cache_memory", "seed") + ENGINE_ARGS
     return EngineConfig(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 

@@ -7,7 +7,8 @@ default a new token sees everything before it (causal); a sequence may instead g
 boolean mask [query_len, seq_len] (True = may attend), which is how token trees are
 verified. The reference backend below is plain PyTorch (gather the blocks, then
 scaled_dot_product_attention with the mask) and runs on CPU and CUDA; it is also the
-oracle for faster backends.
+oracle for faster backends (target_gpu.triton_attention), which read the same step as
+flat per-sequence tensors (KernelMetadata, built only for them).
 
 Grouped-query attention without copying K/V: the G query heads that share one KV head
 are folded into the query-length axis, so q is [B, Hkv, G*Q, D] against k [B, Hkv, L, D].
@@ -15,6 +16,7 @@ are folded into the query-length axis, so q is [B, Hkv, G*Q, D] against k [B, Hk
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -48,18 +50,100 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class KernelMetadata:
+    """The step as flat tensors for a fused kernel (target_gpu.triton_attention): one launch
+    covers every sequence. A program takes `rows_per_program` // G query rows of one
+    sequence for one KV head; the work list names its sequence and first row."""
+
+    query_start: torch.Tensor  # [B] int32: first row of the sequence in the flat batch
+    query_len: torch.Tensor  # [B] int32
+    seq_len: torch.Tensor  # [B] int32: cached context + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    mask_offset: torch.Tensor  # [B] int32: start of the sequence's [Q, Q] new-token mask in masks; -1 = causal
+    masks: torch.Tensor  # [sum of Q*Q over masked sequences, or 1] int8: 1 = may attend
+    work_seq: torch.Tensor  # [W] int32: the sequence of each program
+    work_row: torch.Tensor  # [W] int32: its first query row within the sequence
+    rows_per_program: int  # M of the kernel's tile: G * query rows (padded), a power of two >= 16
+
+    @classmethod
+    def build(cls, seqs: list[SeqAttentionInput], block_size: int, g: int, device) -> "KernelMetadata":
+        rows = _rows_per_program(max((s.query_len for s in seqs), default=1), g)
+        fields = KernelFields.of(seqs, block_size, g, rows)
+        # every int32 vector in one host-to-device copy: [4, B] per sequence, then [2, W] per program
+        ints = torch.cat([fields.per_seq.flatten(), fields.work.flatten()]).to(device)
+        b, w = fields.per_seq.shape[1], fields.work.shape[1]
+        query_start, query_len, seq_len, mask_offset = ints[:4 * b].view(4, b)
+        work_seq, work_row = ints[4 * b:].view(2, w)
+        return cls(query_start, query_len, seq_len, fields.block_tables.to(device), mask_offset,
+                   fields.masks.to(device), work_seq, work_row, rows)
+
+
+@dataclass(slots=True)
+class KernelFields:
+    """KernelMetadata's contents on the host, before they go to the device (as they are, or
+    into the fixed buffers that CUDA graphs read: target_gpu.cuda_graphs)."""
+
+    per_seq: torch.Tensor  # [4, B] int32: query_start, query_len, seq_len, mask_offset
+    work: torch.Tensor  # [2, W] int32: work_seq, work_row
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    masks: torch.Tensor  # [sum of Q*Q over masked sequences, or 1] int8
+
+    @classmethod
+    def of(cls, seqs: list[SeqAttentionInput], block_size: int, g: int, rows_per_program: int) -> "KernelFields":
+        work = [(i, row) for i, s in enumerate(seqs) for row in range(0, s.query_len, rows_per_program // g)]
+        masks = [_new_token_mask(s) for s in seqs]  # [Q, Q] bool each, None when causal
+        starts = accumulate((0 if m is None else m.numel() for m in masks), initial=0)
+        offsets = [-1 if m is None else start for m, start in zip(masks, starts)]
+        num_blocks = max((-(-s.seq_len // block_size) for s in seqs), default=0)
+        tables = torch.zeros(len(seqs), num_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            nb = -(-s.seq_len // block_size)
+            tables[i, :nb] = torch.tensor(s.block_table[:nb], dtype=torch.int32)
+        flat_masks = [m.flatten() for m in masks if m is not None] or [torch.zeros(1, dtype=torch.bool)]
+        per_seq = torch.tensor([[s.query_start for s in seqs], [s.query_len for s in seqs],
+                                [s.seq_len for s in seqs], offsets], dtype=torch.int32).view(4, len(seqs))
+        work_ints = torch.tensor([[i for i, _ in work], [row for _, row in work]], dtype=torch.int32)
+        return cls(per_seq, work_ints.view(2, len(work)), tables, torch.cat(flat_masks).to(torch.int8))
+
+
+def _rows_per_program(max_query_len: int, g: int) -> int:
+    """G * query rows, a power of two: 16 (tl.dot's least M) up to 64, or G's own if larger."""
+    def pow2(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    return max(16, min(64, pow2(g * max_query_len)), pow2(g))
+
+
+def _new_token_mask(s: SeqAttentionInput) -> torch.Tensor | None:
+    """The last query_len columns of a sequence's mask, [Q, Q] bool; None when causal.
+
+    Every new token sees the whole cached context: the model runner builds masks so, and
+    the kernel relies on it (it masks new tokens only)."""
+    if s.mask is None:
+        return None
+    assert s.mask.shape == (s.query_len, s.seq_len), (s.mask.shape, s.query_len, s.seq_len)
+    context = s.seq_len - s.query_len
+    assert bool(s.mask[:, :context].all()), "a new token must see the whole cached context"
+    return s.mask[:, context:]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # for the reference backend; empty when built for a kernel
     num_tokens: int
+    kernel: KernelMetadata | None = None  # for a fused kernel (build(..., for_kernel=True))
 
     @classmethod
     def build(cls, seqs: list[SeqAttentionInput], slot_mapping: torch.Tensor, block_size: int,
-              num_queries_per_kv: int, device: torch.device) -> "AttentionMetadata":
+              num_queries_per_kv: int, device: torch.device, for_kernel: bool = False) -> "AttentionMetadata":
+        num_tokens = sum(s.query_len for s in seqs)
+        if for_kernel:
+            return cls(slot_mapping, [], num_tokens, KernelMetadata.build(seqs, block_size, num_queries_per_kv, device))
         short = [s for s in seqs if s.query_len <= MAX_BATCHED_QUERY_LEN]
         groups = [_build_group(g, block_size, num_queries_per_kv, device)
                   for g in ([short] if short else []) + [[s] for s in seqs if s.query_len > MAX_BATCHED_QUERY_LEN]]
-        return cls(slot_mapping, groups, sum(s.query_len for s in seqs))
+        return cls(slot_mapping, groups, num_tokens)
 
 
 def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device) -> AttentionGroup:
@@ -102,6 +186,7 @@ class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch (CPU and CUDA)."""
 
     name = "torch"
+    needs_kernel_metadata = False  # AttentionMetadata.build(..., for_kernel=...)
 
     def __init__(self, kv_cache: KVCache):
         self.kv_cache = kv_cache

@@ -11,27 +11,69 @@ the sequence's next 1 + n slots in node order, and logits come back for all 1 + 
 After acceptance, `commit_accepted` moves the accepted path's KV to consecutive slots;
 what is beyond is simply not counted as computed any more (the block manager releases
 the blocks). Output: logits [R, V] (float32) for the rows asked for, in order. The
-runner neither schedules nor samples.
+runner neither schedules nor samples. Attention goes through a backend chosen by name:
+the PyTorch reference (target_gpu.attention) or Triton kernels (target_gpu.triton_attention).
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
+from target_gpu.cuda_graphs import CudaGraphRunner
 from target_gpu.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphLimits:
+    """The steps CUDA graphs are captured for: at most max_tokens tokens (decoding tokens
+    plus draft nodes) of at most max_seqs sequences of at most max_model_len tokens.
+    capture=False runs the same padded steps eagerly (for tests without a GPU)."""
+
+    max_tokens: int
+    max_seqs: int
+    max_model_len: int
+    capture: bool = True
+
+
+def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device):
+    """'auto' | 'torch' | 'triton' -> a backend over kv_cache. auto: Triton on CUDA when it
+    can run there, else the PyTorch reference. ValueError when Triton is asked for and
+    cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim)."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend(kv_cache)
+    from target_gpu.triton_attention import TritonAttentionBackend, unsupported_reason  # imports triton
+    if name == "auto" and (reason := unsupported_reason(kv_cache)):
+        log.warning("attention: the Triton backend cannot run (%s); using the PyTorch reference", reason)
+        return TorchAttentionBackend(kv_cache)
+    return TritonAttentionBackend(kv_cache)
 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, attention_backend: str = "torch", graphs: GraphLimits | None = None):
+        """num_blocks: the blocks the block manager hands out; the cache holds one more, the
+        scratch block that padded tokens of a CUDA graph write into. graphs: capture CUDA
+        graphs for decode/verify steps within these limits (CUDA and the Triton backend only)."""
         self.model = model
         self.config = config
         self.device = device
         self.block_size = block_size
-        self.kv_cache = KVCache(config, num_blocks, block_size, model.dtype, device)
-        self.attention = TorchAttentionBackend(self.kv_cache)
+        self.kv_cache = KVCache(config, num_blocks + 1, block_size, model.dtype, device)
+        self.attention = make_attention_backend(attention_backend, self.kv_cache, device)
+        self.graphs = None
+        if graphs is not None and self.attention.needs_kernel_metadata:
+            self.graphs = CudaGraphRunner(model, self.attention, self.kv_cache, graphs.max_tokens, graphs.max_seqs,
+                                          graphs.max_model_len, scratch_slot=num_blocks * block_size,
+                                          capture=graphs.capture)
 
     @torch.inference_mode()
     def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None,
@@ -67,12 +109,20 @@ class ModelRunner:
             attn_inputs.append(SeqAttentionInput(first_row, total, start + total, table, mask))
             if needs_logits[i]:
                 logits_rows.extend(range(first_row + n - 1, first_row + total))
+        if self.graphs is not None and len(logits_rows) == len(input_ids) \
+                and self.graphs.can_run(attn_inputs, len(input_ids)):
+            # a pure decode/verify step: every row wants logits, in order
+            all_hidden, logits = self.graphs.run(input_ids, positions, slots, attn_inputs)
+            if return_hidden:
+                return logits, all_hidden
+            return logits
         device = self.device
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        meta = AttentionMetadata.build(attn_inputs, torch.tensor(slots, dtype=torch.long, device=device), bs,
-                                       self.config.num_heads // self.config.num_kv_heads, device)
         backend = self.attention
+        meta = AttentionMetadata.build(attn_inputs, torch.tensor(slots, dtype=torch.long, device=device), bs,
+                                       self.config.num_heads // self.config.num_kv_heads, device,
+                                       for_kernel=backend.needs_kernel_metadata)
 
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)

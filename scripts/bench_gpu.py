@@ -1,0 +1,154 @@
+"""The target on a GPU: plain, lookahead and a draft model (on the host CPU, overlapped or
+not, and on the GPU), at several batch sizes, in one run. One table, printed last.
+
+Rows (systems), each at every --concurrency (requests given at once; 1 = single stream):
+  - plain:             the target alone (speculator "none");
+  - lookahead:         the lookahead proposer;
+  - draft cpu serial:  the draft model on the host CPU, draft_overlap "off";
+  - draft cpu overlap: the draft model on the host CPU, drafting ahead while the GPU verifies;
+  - draft gpu:         the draft model on the target's GPU.
+With --enforce-eager-rows, the plain row is also run without CUDA graphs.
+
+Greedy, every request generating exactly --max-tokens tokens (ignore_eos), so tok/s counts the
+same work in every row. For random-weight models (scripts/make_random_model.py) acceptance is
+~0 and adaptive speculation would switch drafting off, so --fixed-speculation K always drafts K
+tokens: those rows then time the mechanism (draft ms, verify ms), not a speed-up.
+
+    python scripts/bench_gpu.py --model smollm2-135m --draft-model smollm2-135m
+    python scripts/bench_gpu.py --model /tmp/qwen15 --draft-model /tmp/qwen05 --fixed-speculation 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from runtime import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain how a hash table works.",
+    "What is the difference between a process and a thread?",
+    "Write a SQL query that lists the ten customers with the most orders.",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do vaccines train the immune system?",
+    "Write a bash script that counts the lines of every .py file in a folder.",
+    "Give me three ideas for a birthday party.",
+]
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    label: str
+    speculator: str
+    draft_device: str = "auto"
+    draft_overlap: str = "auto"
+    enforce_eager: bool = False
+
+
+SYSTEMS = [
+    System("plain", "plain", "none"),
+    System("plain-eager", "plain, eager (no CUDA graphs)", "none", enforce_eager=True),
+    System("lookahead", "lookahead", "lookahead"),
+    System("draft-cpu-serial", "draft on CPU, serial", "draft", "cpu", "off"),
+    System("draft-cpu-overlap", "draft on CPU, overlapped", "draft", "cpu", "on"),
+    System("draft-gpu", "draft on GPU", "draft", "cuda"),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="target: alias, .gguf file or HF directory")
+    p.add_argument("--draft-model", default=None, help="draft model (same vocabulary); draft rows need it")
+    p.add_argument("--device", default="cuda", help="the target's device (default: cuda)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds; the median is shown")
+    p.add_argument("--fixed-speculation", type=int, default=None, metavar="K",
+                   help="always draft K tokens (adaptive speculation off); for random-weight models")
+    p.add_argument("--systems", default=",".join(s.key for s in SYSTEMS if s.key != "plain-eager"),
+                   help="comma-separated subset of: " + ", ".join(s.key for s in SYSTEMS))
+    p.add_argument("--draft-cpu-cores", default=None, help="cores for the CPU draft (default: the engine's)")
+    p.add_argument("--label", default=None, help="a name for this model pair in the table")
+    args = p.parse_args(argv)
+    args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    keys = {s.key: s for s in SYSTEMS}
+    unknown = [k for k in args.systems.split(",") if k not in keys]
+    if unknown:
+        p.error(f"unknown system(s): {', '.join(unknown)}")
+    args.systems = [keys[k] for k in args.systems.split(",")]
+    if args.draft_model is None:
+        args.systems = [s for s in args.systems if s.speculator != "draft"]
+    return args
+
+
+def make_llm(args, system: System) -> LLM:
+    extra = {}
+    if system.speculator == "draft":
+        extra = dict(draft_model=args.draft_model, draft_device=system.draft_device,
+                     draft_overlap=system.draft_overlap)
+        if args.draft_cpu_cores and system.draft_device == "cpu":
+            extra["draft_cpu_cores"] = args.draft_cpu_cores
+    if args.fixed_speculation is not None:
+        extra.update(num_speculative_tokens=args.fixed_speculation, adaptive_speculation=False)
+    return LLM(model=args.model, device=args.device, dtype=args.dtype, speculator=system.speculator, seed=0,
+               max_num_seqs=max(args.concurrency), enforce_eager=system.enforce_eager, **extra)
+
+
+def timed_round(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, float | None, float]:
+    """(output tok/s, mean acceptance length, ms per engine step) of all prompts at once."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    steps_before = llm.engine.stats.num_steps
+    llm.generate(prompts, params, use_tqdm=False)
+    summary = llm.last_summary
+    steps = llm.engine.stats.num_steps - steps_before
+    acceptance = (1 + summary.num_accepted_tokens / summary.num_verify_steps if summary.num_verify_steps
+                  else None)
+    return summary.output_tokens_per_s, acceptance, 1000 * summary.elapsed_s / max(steps, 1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    label = args.label or Path(args.model).name
+    rows = []
+    for system in args.systems:
+        start = time.perf_counter()
+        llm = make_llm(args, system)
+        print(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        for n in args.concurrency:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+            timed_round(llm, prompts, min(8, args.max_tokens))  # warm-up (and graph capture) at this size
+            rounds = [timed_round(llm, prompts, args.max_tokens) for _ in range(args.repeats)]
+            rate = statistics.median(r[0] for r in rounds)
+            acc = [r[1] for r in rounds if r[1] is not None]
+            step_ms = statistics.median(r[2] for r in rounds)
+            rows.append((system, n, rate, statistics.mean(acc) if acc else None, step_ms))
+            print(f"  batch {n}: {rate:.1f} tok/s", file=sys.stderr)
+        llm.engine.close() if hasattr(llm.engine, "close") else None
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    plain = {n: rate for s, n, rate, _, _ in rows if s.key == "plain"}
+    print(f"\n{label} (draft {args.draft_model or '-'}), {args.dtype}, {args.max_tokens} tokens per request, "
+          f"torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}"
+          f"{', fixed speculation ' + str(args.fixed_speculation) if args.fixed_speculation is not None else ''}")
+    print("| system | batch | tok/s | vs plain | accept len | ms/step |")
+    print("|---|---|---|---|---|---|")
+    for system, n, rate, acc, step_ms in rows:
+        vs = f"{rate / plain[n]:.2f}x" if n in plain else "-"
+        print(f"| {system.label} | {n} | {rate:.1f} | {vs} | {acc:.2f} | {step_ms:.1f} |" if acc is not None else
+              f"| {system.label} | {n} | {rate:.1f} | {vs} | - | {step_ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Write a randomly initialised model of a known shape as an HF-format directory, for timing.
+
+The GPU box has no internet and weights must travel in a 64 MiB working tree, so models of
+the Qwen2.5-Coder 1.5B and 0.5B shapes are made where they run: config.json, random weights
+in model.safetensors (normal, std 0.02; norms 1) and a word-level tokenizer of the model's
+vocabulary size ("t0", "t1", ...), all loadable by runtime.models.loader like any HF model.
+The text such a model writes is noise; only its costs (ms per forward, tok/s at fixed
+speculation) mean anything.
+
+    .venv/bin/python scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/qwen05-random
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+# the HF config.json fields of each shape (Qwen2.5-Coder-*-Instruct's own values)
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, tie_word_embeddings=True),
+}
+QWEN2_COMMON = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, rms_norm_eps=1e-6,
+                    rope_theta=1000000.0, max_position_embeddings=32768, hidden_act="silu", eos_token_id=151645,
+                    bos_token_id=151643, torch_dtype="bfloat16")
+
+
+def hf_config(shape: str) -> dict:
+    return {**QWEN2_COMMON, **SHAPES[shape]}
+
+
+def random_weights(cfg: dict, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named tensors of a Qwen2 model of config `cfg`, random normal (std 0.02), norms 1."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+
+    weights = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    if not cfg["tie_word_embeddings"]:
+        weights["lm_head.weight"] = normal(v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.q_proj.bias": normal(q),
+            p + "self_attn.k_proj.weight": normal(kv, h), p + "self_attn.k_proj.bias": normal(kv),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.v_proj.bias": normal(kv),
+            p + "self_attn.o_proj.weight": normal(h, q),
+            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+        })
+    return weights
+
+
+def write_tokenizer(out: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer over "t0".."t{V-1}" (whitespace-separated), EOS = t{eos}."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "eos_token": f"t{eos_token_id}",
+        "model_max_length": 32768}))
+
+
+def make_random_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    from safetensors.torch import save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(shape)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(random_weights(cfg, getattr(torch, dtype), seed), str(out / "model.safetensors"))
+    write_tokenizer(out, cfg["vocab_size"], cfg["eos_token_id"])
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(make_random_model(args.shape, args.out, args.dtype, args.seed))
+
+
+if __name__ == "__main__":
+    main()

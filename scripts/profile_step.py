@@ -1,0 +1,110 @@
+"""Where one decode step's time goes: the engine, the runner's input preparation, the model's
+forward (split by operator kind with torch.profiler) and the LM head, for single-stream
+greedy decoding (or --batch requests at once).
+
+The engine's own work (scheduling, proposing, sampling, committing, detokenizing) is the
+step's wall time minus `ModelRunner.execute`; the runner's preparation (token, position,
+slot and mask tensors) is `execute` minus the model's forward and the LM head. Medians over
+the timed steps; the operator table comes from a second, profiled run.
+
+    .venv/bin/python scripts/profile_step.py
+    .venv/bin/python scripts/profile_step.py --batch 32 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from runtime import LLM, SamplingParams  # noqa: E402
+
+PROMPT = "Explain how a hash table works."
+# operator name -> kind, for the forward's split
+KINDS = {"aten::mm": "matmul", "aten::addmm": "matmul", "aten::linear": "matmul", "aten::bmm": "matmul",
+         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+         "aten::scaled_dot_product_attention": "attention (SDPA)",
+         "aten::index": "KV gather / index", "aten::index_copy_": "KV write", "aten::index_select": "KV gather / index"}
+
+
+class Timer:
+    """Wraps obj.name so that every call's wall time is appended to self.times."""
+
+    def __init__(self, obj, name: str):
+        self.times: list[float] = []
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.times.append(time.perf_counter() - start)
+        setattr(obj, name, timed)
+
+
+def op_split(llm: LLM, prompts: list[str], params: SamplingParams) -> dict[str, float]:
+    """Self CPU time (ms) per operator kind over one profiled run."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    kinds: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        kinds[KINDS.get(event.key, "other operators")] += event.self_cpu_time_total / 1000
+    return kinds
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=1, help="requests at once (default: 1, single stream)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch, 1), seed=0)
+    engine, runner = llm.engine, llm.engine.runner
+    prompts = [PROMPT] * args.batch
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+
+    step, execute = Timer(engine, "step"), Timer(runner, "execute")
+    forward, logits = Timer(runner.model, "forward"), Timer(runner.model, "compute_logits")
+    llm.generate(prompts, params, use_tqdm=False)
+    decode = slice(1, None)  # the first step is the prefill
+    med = {name: 1000 * statistics.median(t.times[decode])
+           for name, t in (("step", step), ("execute", execute), ("forward", forward), ("logits", logits))}
+    kinds = op_split(llm, prompts, params)
+    num_steps = len(forward.times)
+    forward_ops = {k: v / num_steps for k, v in kinds.items()}  # ms per step, profiled (slower) run
+    total_ops = sum(forward_ops.values())
+
+    print(f"\n{args.model} {args.dtype} on {engine.device}, batch {args.batch}, {args.max_tokens} tokens, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps - 1} decode steps")
+    print("| part of a decode step | ms | share |")
+    print("|---|---|---|")
+    parts = [("engine (schedule, propose, sample, commit, detokenize)", med["step"] - med["execute"]),
+             ("runner input preparation (ids, slots, masks)", med["execute"] - med["forward"] - med["logits"]),
+             ("model forward", med["forward"]),
+             ("LM head (logits)", med["logits"])]
+    for name, ms in parts:
+        print(f"| {name} | {ms:.2f} | {ms / med['step']:.0%} |")
+    print(f"| whole step | {med['step']:.2f} | 100% | ({1000 / med['step'] * args.batch:.1f} tok/s)")
+    print("\nprofiled run, operators' self CPU time per step (profiler overhead included):")
+    print("| operator kind | ms | share |")
+    print("|---|---|---|")
+    for kind, ms in sorted(forward_ops.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {ms:.2f} | {ms / total_ops:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The target on a CUDA GPU, end to end (skipped without one; run by scripts/device_check.sh):
+the default model through the Triton attention backend and CUDA graphs against HF
+transformers on the same GPU (float32 greedy, token for token), graphs against eager
+steps, and speculation against plain decoding. Kernel-level checks against the PyTorch
+reference, bf16 included, are in tests/test_triton_attention.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NUM_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a young girl who loved to read books about "
+    "dragons, knights and the old kings of the north. One day she",
+    "1, 2, 3, 4,",
+]
+
+
+def greedy(num_tokens: int = NUM_TOKENS):
+    from runtime.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+
+def outputs(llm) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def graphs_f32():
+    from runtime import LLM
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8)
+    assert llm.engine.runner.attention.name == "triton" and llm.engine.runner.graphs is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def hf_cuda_greedy(graphs_f32):
+    """HF transformers' greedy continuation of every prompt, float32 on the GPU."""
+    from transformers import AutoModelForCausalLM
+    from runtime.models.loader import DEFAULT_MODEL, resolve_model
+    path = resolve_model(DEFAULT_MODEL).path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 torch_dtype=torch.float32).cuda().eval()
+    refs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([graphs_f32.engine.tokenize(prompt)], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS,
+                             min_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, ids.shape[1]:].tolist())
+    return refs
+
+
+def test_triton_and_graphs_greedy_equals_hf_on_the_gpu(graphs_f32, hf_cuda_greedy):
+    steps_before = graphs_f32.engine.stats.num_steps
+    assert outputs(graphs_f32) == hf_cuda_greedy
+    assert graphs_f32.engine.stats.num_steps > steps_before
+
+
+def test_one_request_at_a_time_equals_hf(graphs_f32, hf_cuda_greedy):
+    for prompt, ref in zip(PROMPTS, hf_cuda_greedy):
+        assert graphs_f32.generate([prompt], greedy(), use_tqdm=False)[0].token_ids == ref
+
+
+def test_graph_steps_equal_eager_steps(graphs_f32):
+    from runtime import LLM
+    eager = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert outputs(eager) == outputs(graphs_f32)
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "lookahead"])
+def test_speculation_on_graphs_equals_plain(graphs_f32, hf_cuda_greedy, speculator):
+    from runtime import LLM
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, speculator=speculator,
+              adaptive_speculation=False)
+    assert outputs(llm) == hf_cuda_greedy
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_bf16_triton_logits_close_to_the_torch_backend():
+    """One prefill + decode of the default model in bf16: Triton and the reference agree."""
+    from runtime.engine import LLMEngine
+    logits = []
+    for backend in ("triton", "torch"):
+        engine = LLMEngine(device="cuda", dtype="bfloat16", kv_cache_memory="512MiB", attention_backend=backend,
+                           enforce_eager=True)
+        from runtime.sequence import Sequence
+        seq = Sequence("x", engine.tokenize(PROMPTS[2]), greedy())
+        engine.block_manager.may_append(seq, len(seq.token_ids))
+        logits.append(engine.runner.execute([seq], [len(seq.token_ids)], [True]).float().cpu())
+        engine.block_manager.free(seq)
+    error = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
+    assert error < 2e-2, error
