@@ -80,16 +80,18 @@ def main(argv=None) -> None:
     step, execute = Timer(engine, "step"), Timer(runner, "execute")
     forward, logits = Timer(runner.model, "forward"), Timer(runner.model, "compute_logits")
     llm.generate(prompts, params, use_tqdm=False)
-    decode = slice(1, None)  # the first step is the prefill
-    med = {name: 1000 * statistics.median(t.times[decode])
-           for name, t in (("step", step), ("execute", execute), ("forward", forward), ("logits", logits))}
+    timed = {name: t.times[1:] for name, t in (("step", step), ("execute", execute), ("forward", forward),
+                                               ("logits", logits))}  # [0] is the prefill
+    med = {name: 1000 * statistics.median(times) for name, times in timed.items()}
+    num_steps = len(timed["forward"])
+    before = len(forward.times)
     kinds = op_split(llm, prompts, params)
-    num_steps = len(forward.times)
-    forward_ops = {k: v / num_steps for k, v in kinds.items()}  # ms per step, profiled (slower) run
+    profiled_steps = len(forward.times) - before
+    forward_ops = {k: v / profiled_steps for k, v in kinds.items()}  # ms per step, profiled (slower) run
     total_ops = sum(forward_ops.values())
 
     print(f"\n{args.model} {args.dtype} on {engine.device}, batch {args.batch}, {args.max_tokens} tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps - 1} decode steps")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps} decode steps")
     print("| part of a decode step | ms | share |")
     print("|---|---|---|")
     parts = [("engine (schedule, propose, sample, commit, detokenize)", med["step"] - med["execute"]),
@@ -98,7 +100,7 @@ def main(argv=None) -> None:
              ("LM head (logits)", med["logits"])]
     for name, ms in parts:
         print(f"| {name} | {ms:.2f} | {ms / med['step']:.0%} |")
-    print(f"| whole step | {med['step']:.2f} | 100% | ({1000 / med['step'] * args.batch:.1f} tok/s)")
+    print(f"| whole step ({1000 / med['step'] * args.batch:.1f} tok/s) | {med['step']:.2f} | 100% |")
     print("\nprofiled run, operators' self CPU time per step (profiler overhead included):")
     print("| operator kind | ms | share |")
     print("|---|---|---|")

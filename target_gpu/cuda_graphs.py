@@ -83,7 +83,12 @@ class StaticStep:
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int], seqs: list[SeqAttentionInput],
              padded: int, g: int, scratch_slot: int) -> None:
-        """Copy one step into the buffers, padded to `padded` tokens (non-blocking on CUDA)."""
+        """Copy one step into the buffers, padded to `padded` tokens (non-blocking on CUDA).
+
+        Only what the step uses travels: the block tables of its B sequences up to its
+        longest one, and its tree masks. Whatever an earlier step left beyond them is never
+        read: programs read only their own sequence's blocks and mask, and padded programs
+        point at the dummy sequence, whose row is never written."""
         n = len(input_ids)
         fields = KernelFields.of(seqs, self.block_size, g, self.rows_per_program)
         host = self._host_tokens
@@ -92,26 +97,25 @@ class StaticStep:
         host[1, :n] = torch.tensor(positions)
         host[2, :n] = torch.tensor(slots)
         host[2, n:padded] = scratch_slot
-        b, w = len(seqs), fields.work.shape[1]
+        b, nb = fields.block_tables.shape
         per_seq = torch.zeros(4, self.max_seqs + 1, dtype=torch.int32)
         per_seq[:, :b] = fields.per_seq
         work = torch.zeros(2, self.max_tokens, dtype=torch.int32)
         work[0, :] = self.max_seqs  # padding: the empty dummy sequence
-        work[:, :w] = fields.work
-        tables = torch.zeros(self.max_seqs + 1, self.max_blocks, dtype=torch.int32)
-        tables[:b, :fields.block_tables.shape[1]] = fields.block_tables
-        masks = torch.zeros(self.masks.numel(), dtype=torch.int8)
+        work[:, :fields.work.shape[1]] = fields.work
+        mask_words = -(-fields.masks.numel() // 4)
+        masks = torch.zeros(4 * mask_words, dtype=torch.int8)
         masks[:fields.masks.numel()] = fields.masks
-        ints = self._host_ints
-        ints.copy_(torch.cat([per_seq.flatten(), work.flatten(), tables.flatten(), masks.view(torch.int32)]))
+        parts = [per_seq.flatten(), work.flatten(), fields.block_tables.flatten(), masks.view(torch.int32)]
+        used = sum(part.numel() for part in parts)
+        torch.cat(parts, out=self._host_ints[:used])
         self.tokens.copy_(host, non_blocking=True)
-        device_ints = ints.to(self.tokens.device, non_blocking=True)
-        sizes = [self.per_seq.numel(), self.work.numel(), self.block_tables.numel(), self.masks.numel() // 4]
-        per_seq_d, work_d, tables_d, masks_d = device_ints.split(sizes)
+        device_ints = self._host_ints[:used].to(self.tokens.device, non_blocking=True)
+        per_seq_d, work_d, tables_d, masks_d = device_ints.split([part.numel() for part in parts])
         self.per_seq.copy_(per_seq_d.view_as(self.per_seq))
         self.work.copy_(work_d.view_as(self.work))
-        self.block_tables.copy_(tables_d.view_as(self.block_tables))
-        self.masks.copy_(masks_d.view(torch.int8))
+        self.block_tables[:b, :nb].copy_(tables_d.view(b, nb))
+        self.masks[:4 * mask_words].copy_(masks_d.view(torch.int8))
 
 
 class CudaGraphRunner:
