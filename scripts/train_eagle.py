@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from speculators.eagle import EagleHead, save_head  # noqa: E402
+from speculators.eagle import EagleHead, load_head, save_head  # noqa: E402
 from speculators.training import (add_self_distillation_args, eagle_data, self_distillation_corpus,  # noqa: E402
                                   train_eagle)
 
@@ -36,6 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
     p.add_argument("--noise", type=float, default=0.1, help="uniform noise added to input features (default: 0.1)")
     p.add_argument("--eval-every", type=int, default=100, help="validate (and checkpoint) every N steps")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="drafting steps the head is trained on, each reading its own previous prediction "
+                        "(training-time test; default: 1 = depth 1 only)")
+    p.add_argument("--init-head", default=None, help="start from this head checkpoint instead of random weights")
     return p.parse_args(argv)
 
 
@@ -50,17 +54,22 @@ def main(argv=None) -> int:
     train = eagle_data(model, train_samples)
     val = eagle_data(model, val_samples)
     print(f"{len(train)} training answers, {len(val)} validation answers")
-    head = EagleHead(model.config, model.embed_tokens, model.lm_head).float()
+    if args.init_head:
+        head = load_head(args.init_head, model.config, model.embed_tokens, model.lm_head).float()
+    else:
+        head = EagleHead(model.config, model.embed_tokens, model.lm_head).float()
     head.to(model.embed_tokens.weight.device)
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens}}
+             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens,
+                          "unroll": args.unroll, "init_head": args.init_head}}
 
     def checkpoint(step, val_loss, val_accuracy):
         save_head(head, out, {**extra, "step": step, "val_loss": val_loss, "val_depth1_accuracy": val_accuracy})
 
     result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, args.noise,
-                         None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint)
+                         None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint,
+                         unroll=args.unroll)
     print(f"trained in {time.perf_counter() - start:.0f} s: validation depth-1 top-1 accuracy "
           f"{result['val_accuracy']:.2f} (loss {result['val_loss']:.3f}) -> {out}")
     engine.close()

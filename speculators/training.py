@@ -304,26 +304,78 @@ def eagle_data(model, samples: list[Sample], progress: bool = True) -> list[Eagl
     return out
 
 
-def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float = 0.1):
+class UnrolledAttention:
+    """Attention for unroll step k of the head over a whole sample ("training-time test",
+    EAGLE-3: Li et al. 2025): the query at position p is the head's depth-(k+1) draft
+    from context p - k. It sees what the head would have in its KV cache when drafting
+    there: step 0's entries (made from the target's own features) at positions <= p - k,
+    and one entry of each later step j <= k, its own chain, at position p - k + j."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []  # per step: [T, Hkv, D]
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D] of this step -> [T, Hq, D]
+        self.keys.append(k)
+        self.values.append(v)
+        step, t = len(self.keys) - 1, q.shape[0]
+        if step == 0:
+            return dense_causal_attention(layer_idx, q, k, v)
+        p = torch.arange(t, device=q.device)
+        sees_context = p[None, :] <= p[:, None] - step  # [T, T] step 0's entries
+        chain = [p[None, :] == p[:, None] - step + j for j in range(1, step + 1)]  # [T, T] each
+        mask = torch.cat([sees_context] + chain, dim=1)  # [T, (step + 1) T]
+        mask[:, 0] |= ~mask.any(dim=1)  # rows with no valid key (p < step, never scored) stay finite
+        group = q.shape[1] // k.shape[1]
+        keys = torch.cat(self.keys).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, (step + 1) T, D]
+        values = torch.cat(self.values).repeat_interleave(group, dim=1).transpose(0, 1)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return out.transpose(0, 1)  # [T, Hq, D]
+
+
+def unrolled_predictions(head, tokens: torch.Tensor, inputs: torch.Tensor, features: torch.Tensor,
+                         unroll: int) -> list[torch.Tensor]:
+    """The head's predictions of f_{p+1} at every p, for steps 0..unroll-1 ([T-1, H] each).
+    tokens [T]; inputs [T-1, H] step 0's input features (f_p, perhaps noised); features
+    [T, H] the target's. Step k + 1 reads step k's prediction of f_p at p (f_0 at p = 0)."""
+    positions = torch.arange(len(tokens) - 1, device=tokens.device)
+    attention = UnrolledAttention() if unroll > 1 else dense_causal_attention
+    steps = []
+    for _ in range(unroll):
+        steps.append(head(tokens[1:], positions, inputs, attention))  # [T-1, H]
+        inputs = torch.cat([features[:1], steps[-1][:-1]])
+    return steps
+
+
+def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float = 0.1, unroll: int = 1,
+               decay: float = 0.8):
     """(feature regression + ce_weight x token cross-entropy, depth-1 top-1 hits, positions).
 
     Input p = 0..T-2 is (f_p, token p + 1); its output is scored against f_{p+1} (smooth
     L1) and, through the LM head, against the token the target wrote at p + 2 (answer
-    positions only)."""
+    positions only). With unroll > 1 the head then drafts on from its own predictions,
+    as it does when serving (training-time test, unrolled_predictions): step k is scored
+    against the same targets where p >= k, with weight decay^k. Hits count step 0 only."""
     device = head.fc.weight.device
     tokens, feats = sample.token_ids.to(device), sample.features.to(device)
     t = len(tokens)
     inputs = feats[:-1]
     if noise:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise  # EAGLE's uniform feature noise
-    predicted = head(tokens[1:], torch.arange(t - 1, device=device), inputs, dense_causal_attention)  # [T-1, H]
-    regression = nn.functional.smooth_l1_loss(predicted.float(), feats[1:])
     start = sample.answer_start
-    logits = head.compute_logits(predicted[start:t - 2])  # [n, V] token p + 2
     labels = tokens[start + 2:]
-    ce = nn.functional.cross_entropy(logits, labels)
-    hits = int((logits.argmax(dim=-1) == labels).sum())
-    return regression + ce_weight * ce, hits, len(labels)
+    total, hits = 0.0, 0
+    for step, predicted in enumerate(unrolled_predictions(head, tokens, inputs, feats, unroll)):
+        # step k drafts from a real context at p >= k; tokens are scored on the answer only
+        regression = nn.functional.smooth_l1_loss(predicted[step:].float(), feats[1 + step:])
+        first = max(start, step)
+        logits = head.compute_logits(predicted[first:t - 2])  # [n, V] token p + 2
+        ce = nn.functional.cross_entropy(logits, tokens[first + 2:]) if len(logits) else logits.sum()
+        total = total + decay ** step * (regression + ce_weight * ce)
+        if step == 0:
+            hits = int((logits.argmax(dim=-1) == labels).sum())
+    return total, hits, len(labels)
 
 
 @torch.no_grad()
@@ -341,8 +393,9 @@ def evaluate_eagle(head, samples: list[EagleSample]) -> tuple[float, float]:
 
 def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: int, lr: float = 3e-4,
                 sequences_per_step: int = 4, noise: float = 0.1, max_seconds: float | None = None,
-                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True) -> dict:
-    """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples."""
+                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True, unroll: int = 1) -> dict:
+    """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples,
+    the head unrolled `unroll` drafting steps on each (eagle_loss)."""
     from tqdm import tqdm
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer, schedule = _optimizer(params, lr, steps, betas=(0.9, 0.95))
@@ -360,7 +413,7 @@ def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: i
                 order = list(range(len(train)))
                 rng.shuffle(order)
             with _autocast(head):
-                loss, _, _ = eagle_loss(head, train[order.pop()], noise)
+                loss, _, _ = eagle_loss(head, train[order.pop()], noise, unroll=unroll)
             (loss / sequences_per_step).backward()
             total += float(loss.detach()) / sequences_per_step
         torch.nn.utils.clip_grad_norm_(params, 0.5)

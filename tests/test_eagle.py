@@ -275,3 +275,30 @@ def test_seeded_sampling_with_eagle_equals_plain_sampling(eagle_engine, trained_
 
     plain = generate(engine, PROMPTS[:3], [params("none", s) for s in (5, 6, 7)])
     assert generate(engine, PROMPTS[:3], [params("eagle", s) for s in (5, 6, 7)]) == plain
+
+
+# ---- training-time test --------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving():
+    """Unroll step k at position p equals drafting k + 1 deep from the context 0..p-k with
+    the head's own earlier predictions as features (tokens teacher-forced): a dense causal
+    pass over the true entries followed by the chain, written here step by step."""
+    from speculators.training import dense_causal_attention, unrolled_predictions
+    cfg = tiny_config()
+    head = random_head(cfg, seed=3).float()
+    t, unroll = 14, 3
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (t,), generator=gen)
+    features = torch.randn(t, cfg.hidden_size, generator=gen)
+    steps = unrolled_predictions(head, tokens, features[:-1], features, unroll)
+    for context in range(t - unroll):  # the last true entry: (f_c, token c + 1) at position c
+        inputs, ids = list(features[:context + 1]), list(tokens[1:context + 2])
+        for k in range(unroll):
+            p = context + k
+            if p > t - 2:
+                break
+            out = head(torch.stack(ids), torch.arange(len(ids)), torch.stack(inputs), dense_causal_attention)
+            torch.testing.assert_close(steps[k][p], out[-1], atol=1e-5, rtol=1e-5)
+            inputs.append(out[-1])  # the next depth reads this prediction of f_{p+1}
+            ids.append(tokens[p + 2] if p + 2 < t else tokens[0])
