@@ -243,7 +243,15 @@ class LLMEngine:
     def _proposer(self, name: str) -> Proposer:
         proposer = self.proposers.get(name)
         if proposer is None:
-            proposer = self.proposers[name] = build_proposer(name, self.config, self.target_info)
+            proposer = build_proposer(name, self.config, self.target_info)
+            wanted = {p.feature_layers for p in self.proposers.values() if p.feature_layers}
+            if proposer.feature_layers and wanted - {proposer.feature_layers}:
+                proposer.close()
+                raise ValueError(f"speculator {name!r} needs the target's features of layers "
+                                 f"{proposer.feature_layers}, another loaded one those of {wanted.pop()}")
+            if proposer.feature_layers:
+                self.runner.set_feature_layers(proposer.feature_layers)
+            self.proposers[name] = proposer
         return proposer
 
     def _speculator_of(self, seq: Sequence) -> tuple[str, int]:
@@ -360,8 +368,9 @@ class LLMEngine:
         if want_features:
             hidden = self._keep_features(batch, trees, needs_logits, verdicts, hidden)
         if want_hidden or any(p.needs_logits for p in self.proposers.values()):
+            final_hidden = None if hidden is None else hidden[:, :self.model_config.hidden_size]  # [R, H]
             self._keep_last_outputs([batch.seqs[i] for i in sampled], [trees[i] for i in sampled], verdicts,
-                                    logits, hidden)
+                                    logits, final_hidden)
         outputs = self._commit(batch, trees, needs_logits, verdicts, logprobs)
         end = time.perf_counter()
         self._record_timing(start, verify_start, verify_end, end)

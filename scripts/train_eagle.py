@@ -2,13 +2,16 @@
 
 The target answers a prompt set (default: the package's speculators/data/train_prompts.jsonl)
 through our engine, its hidden states (features) are recorded, and the head learns to
-predict the target's next feature and, through the target's LM head, its token after
-next (speculators/training.py: feature regression + token cross-entropy, with EAGLE's
-feature noise). Writes a checkpoint
-in the public EAGLE layout (model.safetensors + config.json) that `--speculator eagle
---eagle-head DIR` loads.
+predict the target's token after next (speculators/training.py). An EAGLE-1/2 head reads
+the final hidden state, guesses the next one (feature regression, with EAGLE's feature
+noise) and shares the target's LM head. With --eagle3, an EAGLE-3 head reads three
+layers' inputs and has its own LM head over the --draft-vocab tokens the target writes
+most (initialised from the target's rows). --unroll K trains on the head's own drafts
+(training-time test). Writes a checkpoint in the public EAGLE (or EAGLE-3) layout
+(model.safetensors + config.json) that `--speculator eagle --eagle-head DIR` loads.
 
     python scripts/train_eagle.py --out models/eagle-smollm2             # default model, ~15 min here
+    python scripts/train_eagle.py --eagle3 --unroll 3 --out models/eagle3-smollm2
     python -m runtime.generate --speculator eagle --eagle-head models/eagle-smollm2 ...
 """
 from __future__ import annotations
@@ -23,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from speculators.eagle import EagleHead, load_head, save_head  # noqa: E402
-from speculators.training import (add_self_distillation_args, eagle_data, self_distillation_corpus,  # noqa: E402
-                                  train_eagle)
+from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head  # noqa: E402
+from speculators.training import (add_self_distillation_args, draft_vocabulary, eagle_data,  # noqa: E402
+                                  self_distillation_corpus, train_eagle)
 
 
 def parse_args(argv=None):
@@ -34,13 +37,37 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: 1500)")
     p.add_argument("--sequences-per-step", type=int, default=4, help="answers averaged per step (default: 4)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
-    p.add_argument("--noise", type=float, default=0.1, help="uniform noise added to input features (default: 0.1)")
+    p.add_argument("--noise", type=float, default=None,
+                   help="uniform noise added to input features (default: 0.1; 0 with --eagle3)")
     p.add_argument("--eval-every", type=int, default=100, help="validate (and checkpoint) every N steps")
     p.add_argument("--unroll", type=int, default=1,
                    help="drafting steps the head is trained on, each reading its own previous prediction "
                         "(training-time test; default: 1 = depth 1 only)")
     p.add_argument("--init-head", default=None, help="start from this head checkpoint instead of random weights")
+    p.add_argument("--eagle3", action="store_true", help="train an EAGLE-3 head (multi-layer features, own LM head)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="--eagle3: the draft vocabulary, the corpus's most written tokens (default: 8192)")
+    p.add_argument("--feature-layers", default=None,
+                   help="--eagle3: target layers whose inputs the head reads, e.g. 2,15,27 (default: 2, L/2, L-3)")
     return p.parse_args(argv)
+
+
+def new_head(args, model, train_samples):
+    """The head to train: from --init-head, else a new EAGLE-1 or EAGLE-3 head."""
+    if args.init_head:
+        return load_head(args.init_head, model.config, model.embed_tokens, model.lm_head).float()
+    if not args.eagle3:
+        return EagleHead(model.config, model.embed_tokens, model.lm_head).float()
+    layers = tuple(int(j) for j in args.feature_layers.split(",")) if args.feature_layers else None
+    vocab = draft_vocabulary(train_samples, args.draft_vocab, model.config.eos_token_ids)
+    answer_tokens = [t for s in train_samples for t in s.token_ids[s.num_prompt_tokens:]]
+    covered = torch.isin(torch.tensor(answer_tokens), vocab).float().mean()
+    print(f"draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the training answers' tokens")
+    head = new_eagle3_head(model.config, model.embed_tokens, vocab, layers).float()
+    with torch.no_grad():  # its final norm and LM head start as the target's
+        head.norm.weight.copy_(model.norm.weight)
+        head.lm_head.weight.copy_(model.lm_head.weight[vocab])
+    return head
 
 
 def main(argv=None) -> int:
@@ -51,14 +78,10 @@ def main(argv=None) -> int:
     engine, train_samples, val_samples = self_distillation_corpus(args)
     start = time.perf_counter()
     model = engine.model
-    train = eagle_data(model, train_samples)
-    val = eagle_data(model, val_samples)
+    head = new_head(args, model, train_samples).to(model.embed_tokens.weight.device)
+    train = eagle_data(model, train_samples, head)
+    val = eagle_data(model, val_samples, head)
     print(f"{len(train)} training answers, {len(val)} validation answers")
-    if args.init_head:
-        head = load_head(args.init_head, model.config, model.embed_tokens, model.lm_head).float()
-    else:
-        head = EagleHead(model.config, model.embed_tokens, model.lm_head).float()
-    head.to(model.embed_tokens.weight.device)
     model.requires_grad_(False)
     extra = {"base_model": args.model,
              "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens,
@@ -67,7 +90,8 @@ def main(argv=None) -> int:
     def checkpoint(step, val_loss, val_accuracy):
         save_head(head, out, {**extra, "step": step, "val_loss": val_loss, "val_depth1_accuracy": val_accuracy})
 
-    result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, args.noise,
+    noise = args.noise if args.noise is not None else (0.0 if args.eagle3 else 0.1)
+    result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, noise,
                          None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint,
                          unroll=args.unroll)
     print(f"trained in {time.perf_counter() - start:.0f} s: validation depth-1 top-1 accuracy "

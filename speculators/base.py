@@ -30,7 +30,7 @@ class ProposalRequest:
     last_logits: torch.Tensor | None = None  # [V] the target's logits for the last token, when asked
     last_hidden: torch.Tensor | None = None  # [H] the target's hidden state there, when asked
     # proposers with needs_features: the target's hidden states of the tokens committed since
-    # the last proposal, as (first position, [n, H]) pieces in order
+    # the last proposal, as (first position, [n, H']) pieces in order (H' as ModelRunner.execute)
     new_features: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
@@ -61,6 +61,9 @@ class Proposer(ABC):
     needs_logits = False  # whether ProposalRequest.last_logits must be filled
     needs_hidden_states = False
     needs_features = False  # whether ProposalRequest.new_features must be filled (every committed token's)
+    # with needs_features: the target layers whose inputs the features carry after the final
+    # hidden state (EAGLE-3; empty = the final hidden state alone)
+    feature_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:

@@ -14,9 +14,12 @@ a prompt set, and heads learn to predict what the target does next.
      Validation: the mean accepted length of the heads' top-1 chain on held-out samples,
      1 (the target's own token) plus how many heads in a row guess right.
   4. `train_eagle`: the head reads (f_p, token p + 1) for every p of a sample in one causal
-     pass (EAGLE's uniform noise on the input features) and is scored against f_{p+1}
-     (smooth L1) plus 0.1 x the cross-entropy of the LM head on its output against the
-     token the target wrote at p + 2. Validation: depth-1 top-1 accuracy, teacher-forced.
+     pass (EAGLE's uniform noise on the input features) and is scored by the cross-entropy
+     of its draft distribution against the token the target wrote at p + 2; an EAGLE-1
+     head also against f_{p+1} (smooth L1, with the cross-entropy weighted 0.1). EAGLE-3
+     features are three target layers' inputs, and its draft vocabulary the corpus's most
+     frequent answer tokens (`draft_vocabulary`). Validation: depth-1 top-1 accuracy,
+     teacher-forced.
 """
 from __future__ import annotations
 
@@ -150,12 +153,13 @@ def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 @torch.no_grad()  # not inference_mode: the states are training inputs and targets
-def target_hidden_states(model, token_ids: list[int]) -> torch.Tensor:
-    """The target's final hidden states (after the last norm) at every position: [T, H] float32."""
+def target_hidden_states(model, token_ids: list[int], feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's final hidden states (after the last norm) at every position: [T, H] float32;
+    with feature_layers, [T, (1 + k) H]: then the inputs of those layers (DecoderModel.forward)."""
     device = model.embed_tokens.weight.device
     ids = torch.tensor(token_ids, device=device)
     positions = torch.arange(len(token_ids), device=device)
-    return model(ids, positions, dense_causal_attention).float().cpu()
+    return model(ids, positions, dense_causal_attention, feature_layers).float().cpu()
 
 
 def _autocast(module: nn.Module):
@@ -289,19 +293,33 @@ def train_medusa(heads, train: MedusaData, val: MedusaData, steps: int, lr: floa
 @dataclass(slots=True)
 class EagleSample:
     token_ids: torch.Tensor  # [T]
-    features: torch.Tensor  # [T, H] the target's hidden states
+    features: torch.Tensor  # [T, F] the target's features the head reads (head.target_features)
     answer_start: int  # first position p whose token p + 2 the target wrote
 
 
-def eagle_data(model, samples: list[Sample], progress: bool = True) -> list[EagleSample]:
+def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> list[EagleSample]:
     from tqdm import tqdm
     out = []
     for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
         if len(s.token_ids) < 3:
             continue
-        out.append(EagleSample(torch.tensor(s.token_ids), target_hidden_states(model, s.token_ids),
+        hidden = target_hidden_states(model, s.token_ids, head.feature_layers)  # [T, H']
+        out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).contiguous(),
                                max(s.num_prompt_tokens - 2, 0)))
     return out
+
+
+def draft_vocabulary(samples: list[Sample], size: int, always: list[int] = ()) -> torch.Tensor:
+    """EAGLE-3's draft vocabulary: the `size` tokens the target writes most often in the
+    samples' answers (and `always`, e.g. the end-of-sequence tokens), as ascending ids."""
+    from collections import Counter
+    counts = Counter(t for s in samples for t in s.token_ids[s.num_prompt_tokens:])
+    chosen = set(always)
+    for token, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 class UnrolledAttention:
@@ -334,48 +352,58 @@ class UnrolledAttention:
         return out.transpose(0, 1)  # [T, Hq, D]
 
 
-def unrolled_predictions(head, tokens: torch.Tensor, inputs: torch.Tensor, features: torch.Tensor,
-                         unroll: int) -> list[torch.Tensor]:
-    """The head's predictions of f_{p+1} at every p, for steps 0..unroll-1 ([T-1, H] each).
-    tokens [T]; inputs [T-1, H] step 0's input features (f_p, perhaps noised); features
-    [T, H] the target's. Step k + 1 reads step k's prediction of f_p at p (f_0 at p = 0)."""
+def unrolled_predictions(head, tokens: torch.Tensor, features: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The head's output states at every p, for steps 0..unroll-1 ([T-1, h] each): step 0's
+    input at p is made from the target's features f_p, [T-1, F] (perhaps noised), and the
+    token p + 1 of tokens [T]; step k + 1's input at p is step k's output at p - 1 (at
+    p = 0, never scored, step 0's input)."""
     positions = torch.arange(len(tokens) - 1, device=tokens.device)
     attention = UnrolledAttention() if unroll > 1 else dense_causal_attention
+    states = head.project(features)  # [T-1, h]
     steps = []
     for _ in range(unroll):
-        steps.append(head(tokens[1:], positions, inputs, attention))  # [T-1, H]
-        inputs = torch.cat([features[:1], steps[-1][:-1]])
+        steps.append(head(tokens[1:], positions, states, attention))  # [T-1, h]
+        states = torch.cat([states[:1], steps[-1][:-1]])
     return steps
 
 
-def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float = 0.1, unroll: int = 1,
+def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float | None = None, unroll: int = 1,
                decay: float = 0.8):
-    """(feature regression + ce_weight x token cross-entropy, depth-1 top-1 hits, positions).
+    """(loss, depth-1 top-1 hits, positions).
 
-    Input p = 0..T-2 is (f_p, token p + 1); its output is scored against f_{p+1} (smooth
-    L1) and, through the LM head, against the token the target wrote at p + 2 (answer
-    positions only). With unroll > 1 the head then drafts on from its own predictions,
-    as it does when serving (training-time test, unrolled_predictions): step k is scored
-    against the same targets where p >= k, with weight decay^k. Hits count step 0 only."""
+    Input p = 0..T-2 is (f_p, token p + 1); its draft distribution is scored against the
+    token the target wrote at p + 2 (cross-entropy over the draft vocabulary; answer
+    positions only, tokens outside the draft vocabulary skipped), and an EAGLE-1 head's
+    output also against f_{p+1} (smooth L1; the cross-entropy weighted ce_weight, default
+    0.1, else 1). With unroll > 1 the head then drafts on from its own outputs, as it does
+    when serving (training-time test, unrolled_predictions): step k is scored against the
+    same targets where p >= k, with weight decay^k. Hits count step 0 only."""
     device = head.fc.weight.device
     tokens, feats = sample.token_ids.to(device), sample.features.to(device)
+    if ce_weight is None:
+        ce_weight = 0.1 if head.regresses_features else 1.0
     t = len(tokens)
     inputs = feats[:-1]
     if noise:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise  # EAGLE's uniform feature noise
     start = sample.answer_start
-    labels = tokens[start + 2:]
     total, hits = 0.0, 0
-    for step, predicted in enumerate(unrolled_predictions(head, tokens, inputs, feats, unroll)):
+    for step, predicted in enumerate(unrolled_predictions(head, tokens, inputs, unroll)):
         # step k drafts from a real context at p >= k; tokens are scored on the answer only
-        regression = nn.functional.smooth_l1_loss(predicted[step:].float(), feats[1 + step:])
+        loss = 0.0
+        if head.regresses_features:
+            loss = nn.functional.smooth_l1_loss(predicted[step:].float(), feats[1 + step:])
         first = max(start, step)
-        logits = head.compute_logits(predicted[first:t - 2])  # [n, V] token p + 2
-        ce = nn.functional.cross_entropy(logits, tokens[first + 2:]) if len(logits) else logits.sum()
-        total = total + decay ** step * (regression + ce_weight * ce)
+        logits = head.draft_logits(predicted[first:t - 2])  # [n, Vd] token p + 2
+        labels = head.draft_ids(tokens[first + 2:])  # [n], IGNORE outside the draft vocabulary
+        if (labels != IGNORE).any():
+            loss = loss + ce_weight * nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        total = total + decay ** step * loss
         if step == 0:
-            hits = int((logits.argmax(dim=-1) == labels).sum())
-    return total, hits, len(labels)
+            hits = int((head.target_ids(logits.argmax(dim=-1)) == tokens[first + 2:]).sum())
+    if not torch.is_tensor(total):  # nothing to score: a zero that still backpropagates
+        total = predicted.sum() * 0.0
+    return total, hits, max(t - 2 - start, 0)
 
 
 @torch.no_grad()

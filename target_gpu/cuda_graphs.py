@@ -122,8 +122,9 @@ class CudaGraphRunner:
     """Captured forwards (hidden states and logits of every row) per padded token count."""
 
     def __init__(self, model, attention, kv_cache, max_tokens: int, max_seqs: int, max_model_len: int,
-                 scratch_slot: int, capture: bool = True):
+                 scratch_slot: int, capture: bool = True, feature_layers: tuple[int, ...] = ()):
         self.model = model
+        self.feature_layers = feature_layers
         self.attention = attention
         self.block_size = kv_cache.block_size
         self.scratch_slot = scratch_slot
@@ -145,8 +146,8 @@ class CudaGraphRunner:
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)
 
-        hidden = self.model(ids, positions, attention)  # [N, H]
-        return hidden, self.model.compute_logits(hidden)  # [N, V]
+        hidden = self.model(ids, positions, attention, self.feature_layers)  # [N, H'] (ModelRunner.execute)
+        return hidden, self.model.compute_logits(hidden[:, :self.model.config.hidden_size])  # [N, V]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -169,7 +170,7 @@ class CudaGraphRunner:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             seqs: list[SeqAttentionInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states [T, H], logits [T, V]) of one step's T rows; copies, not views."""
+        """(hidden states [T, H'], logits [T, V]) of one step's T rows; copies, not views."""
         n = len(input_ids)
         size = padded_size(n, self.sizes)
         self.static.fill(input_ids, positions, slots, seqs, size, self.g, self.scratch_slot)

@@ -69,20 +69,41 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache(config, num_blocks + 1, block_size, model.dtype, device)
         self.attention = make_attention_backend(attention_backend, self.kv_cache, device)
+        self.feature_layers: tuple[int, ...] = ()
+        self.graph_limits = graphs if graphs is not None and self.attention.needs_kernel_metadata else None
         self.graphs = None
-        if graphs is not None and self.attention.needs_kernel_metadata:
-            self.graphs = CudaGraphRunner(model, self.attention, self.kv_cache, graphs.max_tokens, graphs.max_seqs,
-                                          graphs.max_model_len, scratch_slot=num_blocks * block_size,
-                                          capture=graphs.capture)
+        self._make_graphs()
+
+    def _make_graphs(self) -> None:
+        limits = self.graph_limits
+        if limits is not None:
+            self.graphs = None  # the old graphs' memory goes back before the new ones are captured
+            self.graphs = CudaGraphRunner(self.model, self.attention, self.kv_cache, limits.max_tokens,
+                                          limits.max_seqs, limits.max_model_len,
+                                          scratch_slot=(self.kv_cache.num_blocks - 1) * self.block_size,
+                                          capture=limits.capture, feature_layers=self.feature_layers)
+
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on, hidden states carry the residual stream entering these layers after
+        the final hidden state (EAGLE-3's features; DecoderModel.forward). CUDA graphs are
+        captured again when the set changes."""
+        layers = tuple(sorted(set(layers)))
+        bad = [j for j in layers if not 0 <= j < self.config.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} are out of range for a {self.config.num_layers}-layer target")
+        if layers != self.feature_layers:
+            self.feature_layers = layers
+            self._make_graphs()
 
     @torch.inference_mode()
     def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None,
                 return_hidden: bool | str = False):
         """Run the new tokens (and draft nodes) of `seqs`; return logits [R, V] for the rows
         asked for: the last new token when plain, the root and every node with a tree.
-        With return_hidden: (logits [R, V], final hidden states [R, H]) of those rows; with
-        return_hidden="all": (logits [R, V], final hidden states [T, H] of every token run,
-        in input order: each sequence's new tokens, then its tree nodes)."""
+        With return_hidden: (logits [R, V], hidden states [R, H'] of those rows); with
+        return_hidden="all": (logits [R, V], hidden states [T, H'] of every token run, in
+        input order: each sequence's new tokens, then its tree nodes). H' = H, the final
+        hidden states, or with feature layers (1 + k) H: those, then the k layers' inputs."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -127,10 +148,10 @@ class ModelRunner:
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)
 
-        all_hidden = self.model(ids, pos, attention)  # [T, H]
+        all_hidden = self.model(ids, pos, attention, self.feature_layers)  # [T, H']
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        hidden = all_hidden.index_select(0, rows)  # [R, H]
-        logits = self.model.compute_logits(hidden)  # [R, V]
+        hidden = all_hidden.index_select(0, rows)  # [R, H']
+        logits = self.model.compute_logits(hidden[:, :self.config.hidden_size])  # [R, V]
         if return_hidden == "all":
             return logits, all_hidden
         return (logits, hidden) if return_hidden else logits

@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
-from speculators.eagle import EagleHead, EagleProposer, _best_tree, _Node, load_head, save_head, to_public_names
+from speculators.eagle import EagleProposer, _best_tree, _Node
+from speculators.eagle_heads import EagleHead, load_head, save_head, to_public_names
 from speculators.training import Sample, eagle_data, target_hidden_states, train_eagle
 
 PROMPTS = [
@@ -147,7 +148,7 @@ def test_proposer_drafts_a_valid_tree_within_budget_and_width():
     with torch.no_grad():
         from speculators.training import dense_causal_attention
         out = head(torch.tensor(tokens[1:]), torch.arange(5), features[0][1], dense_causal_attention)
-        top = head.compute_logits(out[-1:])[0].topk(3).indices.tolist()
+        top = head.draft_logits(out[-1:])[0].topk(3).indices.tolist()
     assert set(tree.token_ids[i] for i, p in enumerate(tree.parents) if p == -1) <= set(top)
     proposer.release("r")
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
@@ -204,8 +205,8 @@ def trained_head(engine_f32, plain_outputs, tmp_path_factory):
     model = engine_f32.model
     samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
                for p, out in zip(PROMPTS, plain_outputs)]
-    data = eagle_data(model, samples, progress=False)
     head = EagleHead(model.config, model.embed_tokens, model.lm_head).float()
+    data = eagle_data(model, samples, head, progress=False)
     result = train_eagle(head, data, data, steps=60, lr=2e-3, sequences_per_step=2, noise=0.0, eval_every=60,
                          progress=False)
     assert result["val_accuracy"] > 0.5, result  # it learned the outputs it was shown
@@ -291,7 +292,7 @@ def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving():
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (t,), generator=gen)
     features = torch.randn(t, cfg.hidden_size, generator=gen)
-    steps = unrolled_predictions(head, tokens, features[:-1], features, unroll)
+    steps = unrolled_predictions(head, tokens, features[:-1], unroll)
     for context in range(t - unroll):  # the last true entry: (f_c, token c + 1) at position c
         inputs, ids = list(features[:context + 1]), list(tokens[1:context + 2])
         for k in range(unroll):

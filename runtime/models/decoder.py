@@ -144,13 +144,22 @@ class DecoderModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (after the last norm).
+
+        With feature_layers (j_1..j_k, EAGLE-3's auxiliary layers): [T, (1 + k) hidden], the
+        final hidden states followed by the residual stream entering layer j_i (0 = the
+        embeddings), the same as HF's output_hidden_states[j_i]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        features = []
+        for i, layer in enumerate(self.layers):
+            if i in feature_layers:
+                features.append(x)
             x = layer(x, cos, sin, attention)
-        return self.norm(x)
+        x = self.norm(x)
+        return torch.cat([x] + features, dim=-1) if features else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, hidden] -> logits [N, V] in float32

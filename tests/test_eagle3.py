@@ -1,0 +1,331 @@
+"""EAGLE-3 (speculators/eagle_heads.py, the target's feature layers, training) against
+references nobody here wrote.
+
+- The target's feature layers: what DecoderModel returns, and what the engine delivers to
+  a proposer over a speculative run, equal HF transformers' output_hidden_states[j].
+- The head: a checkpoint in the public EAGLE-3 layout (midlayer.*, fc, norm, lm_head,
+  d2t, t2d, config.json) loads, and the head's states and draft logits equal the
+  published architecture assembled here from HF transformers' own Llama modules
+  (LlamaRMSNorm, LlamaAttention with 2H-wide q/k/v, LlamaMLP, LlamaRotaryEmbedding);
+  draft ids map to target tokens through d2t. Bad checkpoints are named errors.
+- Training: the unrolled steps equal step-by-step drafting; the draft vocabulary is the
+  most written tokens.
+- Through the engine, float32, batched: a random and a briefly trained EAGLE-3 head give
+  the output of `--speculator none`, the trained one landing drafts; blocks all return.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.models.config import ModelConfig
+from runtime.sampling_params import SamplingParams
+from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
+from speculators.training import (Sample, dense_causal_attention, draft_vocabulary, eagle_data,
+                                  target_hidden_states, train_eagle, unrolled_predictions)
+
+PROMPTS = [
+    "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+    "The capital of France is",
+]
+SMOLLM_LAYERS = (2, 15, 27)  # the default for a 30-layer target: 2, L // 2, L - 3
+
+
+def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def tiny_target(**changes) -> ModelConfig:
+    base = ModelConfig("llama", vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
+                       num_kv_heads=2, head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-6)
+    return dataclasses.replace(base, **changes)
+
+
+def public_checkpoint(cfg: ModelConfig, num_features: int, draft_vocab: list[int], seed: int = 0) -> dict:
+    """Random tensors under the public EAGLE-3 names and shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def rand(*shape, std=0.3):
+        return torch.randn(*shape, generator=gen) * std
+
+    vocab = torch.tensor(draft_vocab)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    return {"fc.weight": rand(h, num_features * h),
+            "midlayer.self_attn.q_proj.weight": rand(q, 2 * h), "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
+            "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h), "midlayer.self_attn.o_proj.weight": rand(h, q),
+            "midlayer.mlp.gate_proj.weight": rand(cfg.intermediate_size, h),
+            "midlayer.mlp.up_proj.weight": rand(cfg.intermediate_size, h),
+            "midlayer.mlp.down_proj.weight": rand(h, cfg.intermediate_size),
+            "midlayer.input_layernorm.weight": 1 + rand(h), "midlayer.hidden_norm.weight": 1 + rand(h),
+            "midlayer.post_attention_layernorm.weight": 1 + rand(h), "norm.weight": 1 + rand(h),
+            "lm_head.weight": rand(len(draft_vocab), h), "d2t": vocab - torch.arange(len(vocab)), "t2d": t2d}
+
+
+def public_config(cfg: ModelConfig, draft_vocab_size: int, **extra) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": 10000.0, "max_position_embeddings": 32, "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": draft_vocab_size, **extra}
+
+
+def write_checkpoint(directory, tensors: dict, config: dict):
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@torch.no_grad()
+def hf_eagle3_reference(tensors: dict, config: dict, embeds: torch.Tensor, features: torch.Tensor):
+    """The published EAGLE-3 head from HF transformers' Llama modules: states [T, H] and
+    draft logits [T, Vd] for embeds [T, H] and target features [T, 3H] at positions 0..T-1."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config._attn_implementation = "eager"
+    h, t = hf_config.hidden_size, embeds.shape[0]
+
+    def norm(name):
+        module = LlamaRMSNorm(h, eps=hf_config.rms_norm_eps)
+        module.weight.data.copy_(tensors[name])
+        return module
+
+    attn = LlamaAttention(hf_config, layer_idx=0)
+    for proj in ("q_proj", "k_proj", "v_proj"):  # EAGLE-3 attends from [embed, state]: 2H wide
+        weight = tensors[f"midlayer.self_attn.{proj}.weight"]
+        setattr(attn, proj, torch.nn.Linear(2 * h, weight.shape[0], bias=False))
+        getattr(attn, proj).weight.data.copy_(weight)
+    attn.o_proj.weight.data.copy_(tensors["midlayer.self_attn.o_proj.weight"])
+    mlp = LlamaMLP(hf_config)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mlp, proj).weight.data.copy_(tensors[f"midlayer.mlp.{proj}.weight"])
+    position_ids = torch.arange(t)[None]
+    cos_sin = LlamaRotaryEmbedding(hf_config)(embeds[None], position_ids)
+    causal = torch.full((t, t), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] additive
+
+    state = features @ tensors["fc.weight"].T  # [T, H]
+    x = torch.cat([norm("midlayer.input_layernorm.weight")(embeds), norm("midlayer.hidden_norm.weight")(state)], -1)
+    x = state + attn(x[None], cos_sin, causal)[0][0]
+    x = x + mlp(norm("midlayer.post_attention_layernorm.weight")(x))
+    return x, norm("norm.weight")(x) @ tensors["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("layers_in_config", [True, False])
+def test_public_eagle3_checkpoint_equals_the_published_architecture(tmp_path, layers_in_config):
+    target = tiny_target()
+    draft_vocab = [0, 3, 4, 9, 17, 21, 30, 44, 49]
+    tensors = public_checkpoint(target, 3, draft_vocab)
+    extra = {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]} if layers_in_config else {}
+    config = public_config(target, len(draft_vocab), **extra)
+    path = write_checkpoint(tmp_path / "eagle3", tensors, config)
+    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size)
+    head = load_head(path, target, embed, lm_head=None)
+    assert isinstance(head, Eagle3Head)
+    assert head.feature_layers == ((1, 3, 6) if layers_in_config else (2, 4, 5))  # default: 2, L // 2, L - 3
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, target.vocab_size, (11,), generator=gen)
+    features = torch.randn(11, 3 * target.hidden_size, generator=gen)
+    with torch.no_grad():
+        states = head(ids, torch.arange(11), head.project(features), dense_causal_attention)
+        logits = head.draft_logits(states)
+    ref_states, ref_logits = hf_eagle3_reference(tensors, config, embed(ids).detach(), features)
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    # draft ids are target tokens through d2t, and back
+    assert head.target_ids(torch.arange(len(draft_vocab))).tolist() == draft_vocab
+    assert head.draft_ids(torch.tensor([3, 44, 5])).tolist() == [1, 7, -100]
+
+    # the same checkpoint under "layers.0." names (vLLM speculators' layout), and our own save round trip
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    again = load_head(write_checkpoint(tmp_path / "renamed", renamed, config), target, embed, None)
+    saved = load_head(save_head(head, tmp_path / "ours"), target, embed, None)
+    for other in (again, saved):
+        assert other.feature_layers == head.feature_layers
+        with torch.no_grad():
+            torch.testing.assert_close(other.draft_logits(other(ids, torch.arange(11), other.project(features),
+                                                                 dense_causal_attention)), logits)
+
+
+def test_bad_eagle3_checkpoints_are_named_errors(tmp_path):
+    target = tiny_target()
+    tensors = public_checkpoint(target, 3, [1, 2, 3])
+    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size)
+
+    def load(name, tensors=tensors, **config_changes):
+        config = public_config(target, 3, **config_changes)
+        return load_head(write_checkpoint(tmp_path / name, tensors, config), target, embed, None)
+
+    with pytest.raises(ValueError, match="feature layers"):
+        load("range", eagle_aux_hidden_state_layer_ids=[2, 4, 8])
+    with pytest.raises(ValueError, match="hidden_size 32"):
+        load("hidden", hidden_size=32)
+    with pytest.raises(ValueError, match="missing midlayer.hidden_norm.weight"):
+        load("missing", {k: v for k, v in tensors.items() if k != "midlayer.hidden_norm.weight"})
+    with pytest.raises(ValueError, match="fc.weight.*shape"):
+        load("fc", {**tensors, "fc.weight": torch.zeros(16, 32)})
+
+
+def test_draft_vocabulary_is_the_most_written_answer_tokens():
+    samples = [Sample([7, 7, 7, 1, 1, 2, 5, 5], 3), Sample([7, 9, 9, 9, 5, 2], 1)]  # answers: 1 1 2 5 5 | 9 9 9 5 2
+    assert draft_vocabulary(samples, 3).tolist() == [1, 5, 9]  # 5 and 9: 3 each; 1 and 2: 2 each, ties by id
+    assert draft_vocabulary(samples, 3, always=[0]).tolist() == [0, 5, 9]
+
+
+@torch.no_grad()
+def test_unrolled_eagle3_steps_are_the_drafts_the_head_makes_when_serving():
+    """As for EAGLE-1 (test_eagle.py): unroll step k at p is drafting k + 1 deep from the
+    context 0..p-k, here with states made by fc from the target's features at the context
+    and the head's own output states after it."""
+    target = tiny_target()
+    head = new_eagle3_head(target, torch.nn.Embedding(target.vocab_size, target.hidden_size), torch.arange(0, 50, 2))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    t, unroll = 12, 3
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.vocab_size, (t,), generator=gen)
+    features = torch.randn(t - 1, 3 * target.hidden_size, generator=gen)
+    steps = unrolled_predictions(head, tokens, features, unroll)
+    for context in range(t - unroll):
+        states, ids = list(head.project(features[:context + 1])), list(tokens[1:context + 2])
+        for k in range(unroll):
+            p = context + k
+            if p > t - 2:
+                break
+            out = head(torch.stack(ids), torch.arange(len(ids)), torch.stack(states), dense_causal_attention)
+            torch.testing.assert_close(steps[k][p], out[-1], atol=1e-5, rtol=1e-5)
+            states.append(out[-1])
+            ids.append(tokens[p + 2] if p + 2 < t else tokens[0])
+
+
+# ---- the default model, through the engine -----------------------------------------------------------
+
+@torch.no_grad()
+def test_feature_layers_equal_hf_hidden_states(engine_f32, hf_smollm):
+    ids = engine_f32.tokenize(PROMPTS[0])
+    ours = target_hidden_states(engine_f32.model, ids, SMOLLM_LAYERS)  # [T, 4H]
+    hf = hf_smollm(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    reference = torch.cat([hf[-1][0]] + [hf[j][0] for j in SMOLLM_LAYERS], dim=-1)
+    torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
+
+
+def test_engine_delivers_the_feature_layers_of_every_committed_token(engine_f32, hf_smollm, generate):
+    from speculators.ngram import NGramProposer
+    engine = engine_f32
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    final: dict[str, list[int]] = {}
+
+    class Recording(NGramProposer):
+        needs_features = True
+        feature_layers = SMOLLM_LAYERS
+
+        def propose(self, requests):
+            for r in requests:
+                store = seen.setdefault(r.request_id, {})
+                for start, rows in r.new_features:
+                    for j in range(rows.shape[0]):
+                        store[start + j] = rows[j].clone()
+                final[r.request_id] = list(r.token_ids)
+            return super().propose(requests)
+
+    engine.runner.set_feature_layers(SMOLLM_LAYERS)
+    engine.proposers["ngram"] = Recording(1, 3)
+    try:
+        generate(engine, PROMPTS[:2], greedy(24, speculator="ngram"))
+    finally:
+        engine.proposers.clear()
+        engine.runner.set_feature_layers(())
+    assert engine.stats.num_accepted_tokens > 0
+    for request_id, token_ids in final.items():
+        store = seen[request_id]
+        got = torch.stack([store[p] for p in range(len(token_ids) - 1)]).float()  # [T-1, 4H]
+        with torch.no_grad():
+            hf = hf_smollm(torch.tensor([token_ids]), output_hidden_states=True).hidden_states
+        reference = torch.cat([hf[-1][0]] + [hf[j][0] for j in SMOLLM_LAYERS], dim=-1)[:-1]
+        torch.testing.assert_close(got, reference, atol=5e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine_f32, generate):
+    return generate(engine_f32, PROMPTS, greedy(speculator="none"))
+
+
+def smollm_eagle3_head(engine, samples) -> Eagle3Head:
+    model = engine.model
+    head = new_eagle3_head(model.config, model.embed_tokens, draft_vocabulary(samples, 2048)).float()
+    with torch.no_grad():
+        head.norm.weight.copy_(model.norm.weight)
+        head.lm_head.weight.copy_(model.lm_head.weight[head.target_ids(torch.arange(head.draft_vocab_size))])
+    return head
+
+
+@pytest.fixture(scope="module")
+def trained_eagle3_dir(engine_f32, plain_outputs, tmp_path_factory):
+    """An EAGLE-3 head trained for a few seconds on the test prompts' own plain outputs."""
+    torch.manual_seed(0)
+    samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
+               for p, out in zip(PROMPTS, plain_outputs)]
+    head = smollm_eagle3_head(engine_f32, samples)
+    data = eagle_data(engine_f32.model, samples, head, progress=False)
+    result = train_eagle(head, data, data, steps=60, lr=2e-3, sequences_per_step=2, noise=0.0, eval_every=60,
+                         progress=False, unroll=2)
+    assert result["val_accuracy"] > 0.5, result  # it learned the outputs it was shown
+    return save_head(head, tmp_path_factory.mktemp("eagle3") / "trained")
+
+
+@pytest.fixture
+def eagle_engine(engine_f32):
+    engine = engine_f32
+    config = engine.config
+    saved = (config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens,
+             config.speculative_tree_width)
+
+    def use(head_dir, num_tokens, width):
+        engine.proposers.pop("eagle", None)
+        config.eagle_head = str(head_dir)
+        engine.spec_controller.adaptive = False
+        config.num_speculative_tokens = num_tokens
+        config.speculative_tree_width = width
+        return engine
+
+    yield use
+    config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens, \
+        config.speculative_tree_width = saved
+    engine.proposers.clear()
+    engine.runner.set_feature_layers(())
+    engine.spec_controller.requests.clear()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_random_eagle3_head_is_greedy_lossless(eagle_engine, engine_f32, plain_outputs, generate, tmp_path):
+    torch.manual_seed(3)
+    head = smollm_eagle3_head(engine_f32, [Sample(list(range(4096)), 0)])
+    for name, p in head.named_parameters():
+        if name not in ("norm.weight", "lm_head.weight"):
+            torch.nn.init.normal_(p, std=0.02)
+    engine = eagle_engine(save_head(head, tmp_path / "random"), num_tokens=8, width=3)
+    drafted = engine.stats.num_draft_tokens
+    assert generate(engine, PROMPTS, greedy(speculator="eagle")) == plain_outputs
+    assert engine.stats.num_draft_tokens > drafted
+    assert engine.runner.feature_layers == SMOLLM_LAYERS
+
+
+def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine, trained_eagle3_dir, generate,
+                                                                   plain_outputs):
+    engine = eagle_engine(trained_eagle3_dir, num_tokens=12, width=4)
+    accepted, steps = engine.stats.num_accepted_tokens, engine.stats.num_verify_steps
+    outputs = generate(engine, PROMPTS, greedy(speculator="eagle"))
+    for i, (out, ref) in enumerate(zip(outputs, plain_outputs)):
+        assert out == ref, f"prompt {i} differs from plain decoding"
+    per_step = (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
+    assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
+    proposer = engine.proposers["eagle"]
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
