@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime.config import amx_available
-from runtime.models.decoder import DecoderModel, RMSNorm
+from runtime.models.decoder import RMSNorm
 
 log = logging.getLogger("draft_cpu.backends")
 
@@ -85,7 +85,7 @@ def _linear_children(model: nn.Module):
                 yield parent, name, child
 
 
-def quantize_int8_torch(model: DecoderModel) -> int:
+def quantize_int8_torch(model: nn.Module) -> int:
     """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table)."""
     swapped = 0
     for parent, name, linear in list(_linear_children(model)):
@@ -94,14 +94,15 @@ def quantize_int8_torch(model: DecoderModel) -> int:
     return swapped
 
 
-def quantize_int8_ipex(model: DecoderModel, ipex) -> int:
+def quantize_int8_ipex(model: nn.Module, ipex) -> int:
     from intel_extension_for_pytorch.nn.modules.weight_only_quantization import WeightOnlyQuantizedLinear
     from intel_extension_for_pytorch.quantization import WoqLowpMode, get_weight_only_quant_qconfig_mapping
     lowp = WoqLowpMode.BF16 if model.dtype == torch.bfloat16 else WoqLowpMode.NONE
     qconfig = get_weight_only_quant_qconfig_mapping(lowp_mode=lowp).global_qconfig
     swapped = 0
+    embed = getattr(model, "embed_tokens", None)
     for parent, name, linear in list(_linear_children(model)):
-        if parent is model and name == "lm_head" and linear.weight is model.embed_tokens.weight:
+        if embed is not None and parent is model and name == "lm_head" and linear.weight is embed.weight:
             linear = nn.Linear(linear.in_features, linear.out_features, bias=False, dtype=model.dtype)
             linear.weight = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
         linear.qconfig = qconfig
@@ -123,12 +124,13 @@ class IpexRMSNorm(nn.Module):
         return self._rms_norm(x, self.weight, self.eps)
 
 
-def prepare_model(model: DecoderModel, backend: str, quantization: str) -> str:
-    """Apply `backend` ("ipex" | "torch", resolved) and `quantization` to model in place;
-    returns a one-line description for the start-up log."""
+def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
+    """Apply `backend` ("ipex" | "torch", resolved) and `quantization` in place to model (a
+    DecoderModel, or a speculation head: any module with a `dtype`; only its own submodules
+    change); returns a one-line description for the start-up log."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    device = model.embed_tokens.weight.device
+    device = next(model.parameters()).device
     parts = [f"backend {backend}", str(model.dtype).replace("torch.", "")]
     if backend == "ipex":
         ipex = import_ipex()

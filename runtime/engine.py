@@ -249,10 +249,17 @@ class LLMEngine:
                 proposer.close()
                 raise ValueError(f"speculator {name!r} needs the target's features of layers "
                                  f"{proposer.feature_layers}, another loaded one those of {wanted.pop()}")
-            if proposer.feature_layers:
-                self.runner.set_feature_layers(proposer.feature_layers)
             self.proposers[name] = proposer
+            self.sync_feature_layers()
         return proposer
+
+    def sync_feature_layers(self) -> None:
+        """Have the target hand out the layer inputs its loaded proposers read (EAGLE-3's),
+        and no others (call after changing self.proposers by hand)."""
+        wanted = {p.feature_layers for p in self.proposers.values() if p.feature_layers}
+        if len(wanted) > 1:
+            raise ValueError(f"the loaded proposers read different target layers: {sorted(wanted)}")
+        self.runner.set_feature_layers(wanted.pop() if wanted else ())
 
     def _speculator_of(self, seq: Sequence) -> tuple[str, int]:
         """(speculator name, draft token cap) for seq this step; ("none", 0) when plain."""

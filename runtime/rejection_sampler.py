@@ -152,4 +152,11 @@ def _walk_greedy(tree, argmax: list[int], row_start: int) -> Verdict:
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    return int(torch.multinomial(probs.float().cpu(), 1, generator=gen))
+    """One token from probs [V] (any device, need not sum to 1) by inverse CDF: the uniform
+    comes from the request's CPU generator, the search runs where probs are, and only the
+    token id crosses back (not the [V] row). Zero-probability tokens are never drawn: the
+    clamp is the first index where the CDF reaches its total, the last positive one."""
+    cdf = probs.double().cumsum(0)  # [V]
+    u = torch.rand((), dtype=torch.float64, generator=gen).to(cdf.device)
+    token = torch.searchsorted(cdf, u * cdf[-1], right=True)
+    return int(torch.minimum(token, cdf.argmax()))

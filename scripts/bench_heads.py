@@ -11,6 +11,7 @@ interleaved rounds after a warm-up, the median round shown:
   - ours Medusa:         the Medusa heads and their static tree;
   - ours EAGLE (chain):  the EAGLE head, tree width 1;
   - ours EAGLE-2 (tree): the EAGLE head, dynamic trees of --eagle-width;
+  - ours EAGLE-3 chain / tree: the EAGLE-3 head (--eagle3-head), the same two ways;
   - ours lookahead:      the lookahead proposer (tree width 3);
 with the heads on each of --head-devices (cpu, and cuda on a GPU box). Mean acceptance
 length is tokens per verify step (accepted drafts + the target's own token). Targets after
@@ -44,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory (default: %(default)s)")
     p.add_argument("--medusa-heads", default="models/medusa-smollm2", help="Medusa checkpoint; trained when missing")
     p.add_argument("--eagle-head", default="models/eagle-smollm2", help="EAGLE checkpoint; trained when missing")
+    p.add_argument("--eagle3-head", default="models/eagle3-smollm2",
+                   help="EAGLE-3 checkpoint; trained when missing (--eagle3 --unroll 3); 'none' to leave out")
     p.add_argument("--corpus", default="models/heads-corpus-smollm2.jsonl",
                    help="the target's answers both trainings share (written when missing)")
     p.add_argument("--train-minutes", type=float, default=20.0, help="training budget per head (default: 20)")
@@ -66,14 +69,18 @@ def ensure_heads(args) -> None:
         import train_medusa
         print(f"training Medusa heads -> {args.medusa_heads}", file=sys.stderr)
         train_medusa.main(common + ["--out", args.medusa_heads])
+    import train_eagle
     if not Path(args.eagle_head).exists():
-        import train_eagle
         print(f"training the EAGLE head -> {args.eagle_head}", file=sys.stderr)
         train_eagle.main(common + ["--out", args.eagle_head])
+    if args.eagle3_head != "none" and not Path(args.eagle3_head).exists():
+        print(f"training the EAGLE-3 head -> {args.eagle3_head}", file=sys.stderr)
+        train_eagle.main(common + ["--out", args.eagle3_head, "--eagle3", "--unroll", "3", "--steps", "2400"])
 
 
 def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None]]:
-    """(system, head device) pairs; the device is None for systems without heads."""
+    """(system, head device) pairs; the device is None for systems without heads. EAGLE-3
+    systems' keys start with "eagle3"."""
     rows = [(System("hf", "HF plain"), None), (System("plain", "ours plain", "none"), None)]
     for device in head_devices:
         where = f" (heads on {device})"
@@ -81,6 +88,10 @@ def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None
                  (System(f"eagle-chain-{device}", "ours EAGLE chain" + where, "eagle", 1), device),
                  (System(f"eagle-tree-{device}", f"ours EAGLE-2 tree (top-{args.eagle_width})" + where, "eagle",
                          args.eagle_width), device)]
+        if args.eagle3_head != "none":
+            rows += [(System(f"eagle3-chain-{device}", "ours EAGLE-3 chain" + where, "eagle", 1), device),
+                     (System(f"eagle3-tree-{device}", f"ours EAGLE-3 tree (top-{args.eagle_width})" + where,
+                             "eagle", args.eagle_width), device)]
     rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
     return rows
 
@@ -103,6 +114,7 @@ def main(argv=None) -> None:
 
     def select(system: System, device: str | None) -> None:
         llm.engine.config.draft_device = device or "auto"
+        llm.engine.config.eagle_head = args.eagle3_head if system.key.startswith("eagle3") else args.eagle_head
         use_system(llm, system, True)
 
     for system, device in systems:  # warm-up (and build each system's proposers on its device)
@@ -133,7 +145,7 @@ def main(argv=None) -> None:
 
     print(f"\n### Medusa and EAGLE heads, {datetime.date.today().isoformat()}\n")
     print(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}")
+          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}")
     print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
           f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on\n")
     plain, hf_rate = measures["plain"].rate, measures["hf"].rate
@@ -150,6 +162,10 @@ def main(argv=None) -> None:
     print(f"\ntargets: EAGLE-2 acceptance length {tree.acceptance_length or 0:.2f} (>= 2.5), Medusa "
           f"{medusa.acceptance_length or 0:.2f} (>= 1.8), EAGLE-2 {rates[f'eagle-tree-{head_devices[0]}'] / plain:.2f}x "
           f"our plain (>= 1.8x)")
+    tree3 = measures.get(f"eagle3-tree-{head_devices[0]}")
+    if tree3 is not None:
+        print(f"EAGLE-3 head, EAGLE-2 trees: acceptance length {tree3.acceptance_length or 0:.2f}, "
+              f"{rates[f'eagle3-tree-{head_devices[0]}'] / plain:.2f}x our plain")
 
 
 if __name__ == "__main__":

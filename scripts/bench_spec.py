@@ -231,6 +231,7 @@ def use_system(llm: LLM, system: System, adaptive: bool) -> None:
     engine.config.speculator = system.speculator
     engine.config.speculative_tree_width = system.tree_width
     engine.proposers = system.proposers
+    engine.sync_feature_layers()
     engine.spec_controller = system.controller
 
 

@@ -56,6 +56,20 @@ def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
 
 
+def prepare_head(head: torch.nn.Module, config, device: torch.device) -> str:
+    """A speculation head on the CPU runs through the draft model's backend and quantization
+    (--draft-backend, --draft-quantization; draft_cpu.backends), applied to its own layers
+    only: the target's shared embedding and LM head are not its submodules. "auto" is plain
+    torch here: IPEX made an EAGLE head slower (its few-row matmuls change shape every
+    drafting step) and its bf16 drafts a little worse (README, Medusa and EAGLE heads).
+    Returns a note for the start-up log ('' off the CPU)."""
+    if device.type != "cpu":
+        return ""
+    from draft_cpu.backends import prepare_model, resolve_backend
+    backend = "torch" if config.draft_backend == "auto" else resolve_backend(config.draft_backend, device)
+    return prepare_model(head, backend, config.draft_quantization)
+
+
 class Proposer(ABC):
     name: str = "proposer"
     needs_logits = False  # whether ProposalRequest.last_logits must be filled

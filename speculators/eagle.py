@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.block_manager import BlockManager
-from speculators.base import ProposalRequest, Proposer, frozen_on
+from speculators.base import ProposalRequest, Proposer, frozen_on, prepare_head
 from speculators.eagle_heads import Eagle3Head, EagleHead, load_head
 from speculators.tree import DraftTree
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
@@ -184,12 +184,11 @@ class EagleProposer(Proposer):
             for j, k in enumerate(chosen):
                 nodes[k].slot_index = used + j
             seq_len = base + used + len(chosen)
-            mask = torch.zeros(len(chosen), seq_len, dtype=torch.bool)  # [Q, L]
-            mask[:, :base] = True
+            mask = torch.zeros(len(chosen), used + len(chosen), dtype=torch.bool)  # [Q, M] past the committed keys
             for row, k in enumerate(chosen):
                 node = k
                 while node >= 0:
-                    mask[row, base + nodes[node].slot_index] = True
+                    mask[row, nodes[node].slot_index] = True
                     node = nodes[node].parent
             inputs.append(SeqAttentionInput(len(ids), len(chosen), seq_len, seq.block_table, mask))
             for k in chosen:
@@ -248,9 +247,10 @@ def build_eagle_proposer(config, target) -> EagleProposer:
     uses_lm_head = isinstance(head, EagleHead)  # an EAGLE-3 head has its own
     head.set_shared(frozen_on(model.embed_tokens, device, dtype),
                     frozen_on(model.lm_head, device, dtype) if uses_lm_head else None)
+    backend = prepare_head(head.eval(), config, device)
     num_kv_tokens = target.num_kv_tokens + target.max_num_seqs * (config.speculative_tokens("eagle") * 8
                                                                   + config.block_size)
-    log.info("%s head on %s in %s; EAGLE-2 trees %d deep", "EAGLE" if uses_lm_head else
+    log.info("%s head on %s in %s%s; EAGLE-2 trees %d deep", "EAGLE" if uses_lm_head else
              f"EAGLE-3 (target layers {head.feature_layers}, {head.draft_vocab_size} draft tokens)", device,
-             str(dtype).replace("torch.", ""), config.eagle_depth)
+             str(dtype).replace("torch.", ""), f" ({backend})" if backend else "", config.eagle_depth)
     return EagleProposer(head, device, config.eagle_depth, num_kv_tokens, config.block_size)

@@ -85,8 +85,8 @@ class EagleHead(nn.Module):
         self._shared = (embed_tokens, lm_head)  # the target's; not submodules, not in state_dict
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def dtype(self) -> torch.dtype:  # a norm's: linear layers may be quantized (draft_cpu.backends)
+        return self.layers[0].post_attention_layernorm.weight.dtype
 
     def set_shared(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         self._shared = (embed_tokens, lm_head)
@@ -168,12 +168,12 @@ class Eagle3Head(nn.Module):
         self._shared = (embed_tokens,)  # the target's; not a submodule, not in state_dict
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def dtype(self) -> torch.dtype:  # a norm's: linear layers may be quantized (draft_cpu.backends)
+        return self.norm.weight.dtype
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.lm_head.out_features
+        return self.d2t.numel()
 
     def set_shared(self, embed_tokens: nn.Module, lm_head: nn.Module | None = None) -> None:
         self._shared = (embed_tokens,)

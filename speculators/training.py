@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-log = logging.getLogger("speculators.training")
+from speculators.eagle_heads import IGNORE  # the label cross-entropy skips
 
-IGNORE = -100
+log = logging.getLogger("speculators.training")
 
 
 @dataclass(slots=True)

@@ -4,8 +4,9 @@ decode and tree verification.
 Each sequence in a step brings `query_len` new tokens (already at their positions in
 the cache once written) and sees `seq_len` tokens in all (cached context + new). By
 default a new token sees everything before it (causal); a sequence may instead give a
-boolean mask [query_len, seq_len] (True = may attend), which is how token trees are
-verified. The reference backend below is plain PyTorch (gather the blocks, then
+boolean mask [query_len, M] over its last M keys (True = may attend; every key before
+those is seen by all), which is how token trees are verified: M = query_len for the
+target's tree (root and nodes), more for a head whose earlier drafts are cached. The reference backend below is plain PyTorch (gather the blocks, then
 scaled_dot_product_attention with the mask) and runs on CPU and CUDA; it is also the
 oracle for faster backends (target_gpu.triton_attention), which read the same step as
 flat per-sequence tensors (KernelMetadata, built only for them).
@@ -34,7 +35,7 @@ class SeqAttentionInput:
     query_len: int
     seq_len: int  # cached context + new tokens
     block_table: list[int]
-    mask: torch.Tensor | None = None  # bool [query_len, seq_len]; None = causal
+    mask: torch.Tensor | None = None  # bool [query_len, M] over the last M keys (earlier ones seen); None = causal
 
 
 @dataclass(slots=True)
@@ -115,16 +116,14 @@ def _rows_per_program(max_query_len: int, g: int) -> int:
 
 
 def _new_token_mask(s: SeqAttentionInput) -> torch.Tensor | None:
-    """The last query_len columns of a sequence's mask, [Q, Q] bool; None when causal.
-
-    Every new token sees the whole cached context: the model runner builds masks so, and
-    the kernel relies on it (it masks new tokens only)."""
+    """The mask's columns over the new tokens, [Q, Q] bool; None when causal. The kernel
+    masks new tokens only: mask columns over cached keys must all be True."""
     if s.mask is None:
         return None
-    assert s.mask.shape == (s.query_len, s.seq_len), (s.mask.shape, s.query_len, s.seq_len)
-    context = s.seq_len - s.query_len
-    assert bool(s.mask[:, :context].all()), "a new token must see the whole cached context"
-    return s.mask[:, context:]
+    q, m = s.mask.shape
+    assert q == s.query_len and s.query_len <= m <= s.seq_len, (s.mask.shape, s.query_len, s.seq_len)
+    assert bool(s.mask[:, :m - q].all()), "a new token must see the whole cached context"
+    return s.mask[:, m - q:]
 
 
 @dataclass(slots=True)
@@ -163,9 +162,11 @@ def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device)
         if s.mask is None:  # causal: new token j sits at position seq_len - query_len + j
             context = s.seq_len - s.query_len
             mask[i, :s.query_len, :s.seq_len] = torch.ones(s.query_len, s.seq_len, dtype=torch.bool).tril(context)
-        else:
-            assert s.mask.shape == (s.query_len, s.seq_len), (s.mask.shape, s.query_len, s.seq_len)
-            mask[i, :s.query_len, :s.seq_len] = s.mask
+        else:  # the keys before the mask's last M are seen by every new token
+            q, m = s.mask.shape
+            assert q == s.query_len and s.query_len <= m <= s.seq_len, (s.mask.shape, s.query_len, s.seq_len)
+            mask[i, :q, :s.seq_len - m] = True
+            mask[i, :q, s.seq_len - m:s.seq_len] = s.mask
         mask[i, s.query_len:, 0] = True  # padded rows attend somewhere, so softmax stays finite
     # [B, Q, L] -> [B, 1, G*Q, L]: the same mask for each of the G query heads of a KV head
     attn_mask = mask.unsqueeze(1).expand(b, g, q_max, key_len).reshape(b, 1, g * q_max, key_len)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.config import ATTENTION_BACKENDS
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
@@ -46,8 +47,8 @@ def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device):
     """'auto' | 'torch' | 'triton' -> a backend over kv_cache. auto: Triton on CUDA when it
     can run there, else the PyTorch reference. ValueError when Triton is asked for and
     cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim)."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend(kv_cache)
     from target_gpu.triton_attention import TritonAttentionBackend, unsupported_reason  # imports triton
@@ -123,8 +124,7 @@ class ModelRunner:
                 assert n == 1 and needs_logits[i], "a draft tree hangs below one decoding token"
                 input_ids.extend(tree.token_ids)
                 positions.extend(start + depth for depth in tree.depths)
-                mask = torch.ones(1 + num_nodes, start + 1 + num_nodes, dtype=torch.bool)  # [Q, L]
-                mask[:, start:] = tree.attention_mask()
+                mask = tree.attention_mask()  # [Q, Q] over the new tokens; the context is everyone's
             total = n + num_nodes
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + total))
             attn_inputs.append(SeqAttentionInput(first_row, total, start + total, table, mask))

@@ -46,9 +46,11 @@ def naive_attention(q, k, v, mask):
 
 
 def run_case(query_lens, context_lens, num_heads, num_kv_heads, dtype, *, masks=None, block_size=4,
-             head_dim=16, layer=1, seed=0, device="cpu"):
+             head_dim=16, layer=1, seed=0, device="cpu", context_columns=None):
     """Run one step of the backend over a random paged layout and compare with naive attention
-    (computed on the CPU in float64)."""
+    (computed on the CPU in float64). context_columns: the backend gets tree masks over the
+    last context_columns cached keys and the new tokens only (the contract: earlier keys
+    are everyone's); the reference keeps the whole [Q, L] mask."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8,
@@ -84,7 +86,10 @@ def run_case(query_lens, context_lens, num_heads, num_kv_heads, dtype, *, masks=
         context_k.append(k_flat[ctx_slots])  # what earlier steps left in the cache
         context_v.append(v_flat[ctx_slots])
         slots.extend(slot(i, p) for p in range(c, c + n))
-        inputs.append(SeqAttentionInput(start, n, c + n, tables[i], None if masks is None else masks[i]))
+        mask = None if masks is None else masks[i]
+        if mask is not None and context_columns is not None:
+            mask = mask[:, max(c - context_columns, 0):]  # [Q, M]
+        inputs.append(SeqAttentionInput(start, n, c + n, tables[i], mask))
         start += n
     slot_mapping = torch.tensor(slots, dtype=torch.long)
     meta = AttentionMetadata.build(inputs, slot_mapping.to(device), block_size, num_heads // num_kv_heads, device)
@@ -156,6 +161,16 @@ def test_tree_masks(heads, dtype, device):
     context_lens = [12, 20, 0, 3, 6, 9]
     masks = [None, tree_mask(20, 5, rng), tree_mask(0, 8, rng), None, tree_mask(6, 20, rng), tree_mask(9, 3, rng)]
     run_case(query_lens, context_lens, *heads, dtype, masks=masks, seed=2, device=device)
+
+
+@pytest.mark.parametrize("context_columns", [0, 2])
+def test_tree_masks_over_the_last_keys(context_columns):
+    """Masks that cover only the new tokens (the target's trees) or a few cached keys more
+    (an EAGLE head's earlier drafts): the keys before them are seen by every new token."""
+    rng = random.Random(8)
+    query_lens, context_lens = [5, 8, 1, MAX_BATCHED_QUERY_LEN + 2], [20, 0, 7, 6]
+    masks = [tree_mask(20, 5, rng), tree_mask(0, 8, rng), None, tree_mask(6, MAX_BATCHED_QUERY_LEN + 2, rng)]
+    run_case(query_lens, context_lens, 4, 2, torch.float32, masks=masks, seed=3, context_columns=context_columns)
 
 
 def test_chain_mask_equals_causal():

@@ -96,3 +96,22 @@ def test_bf16_triton_logits_close_to_the_torch_backend():
         engine.block_manager.free(seq)
     error = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
     assert error < 2e-2, error
+
+
+@pytest.mark.parametrize("draft_device", ["cuda", "cpu"])
+def test_eagle3_head_on_graphs_equals_plain(graphs_f32, hf_cuda_greedy, tmp_path, draft_device):
+    """A random EAGLE-3 head (target feature layers through the captured graphs) on the GPU
+    or the host: the output is HF's greedy one."""
+    from runtime import LLM
+    from speculators.eagle_heads import new_eagle3_head, save_head
+    model = graphs_f32.engine.model
+    torch.manual_seed(0)
+    head = new_eagle3_head(model.config, model.embed_tokens, torch.arange(0, model.config.vocab_size, 3))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    path = save_head(head.cpu(), tmp_path / "eagle3")
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, speculator="eagle",
+              eagle_head=str(path), draft_device=draft_device, adaptive_speculation=False)
+    assert llm.engine.runner.feature_layers == head.feature_layers and llm.engine.runner.graphs is not None
+    assert outputs(llm) == hf_cuda_greedy
+    assert llm.engine.stats.num_draft_tokens > 0

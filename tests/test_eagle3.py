@@ -286,21 +286,23 @@ def eagle_engine(engine_f32):
     engine = engine_f32
     config = engine.config
     saved = (config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens,
-             config.speculative_tree_width)
+             config.speculative_tree_width, config.draft_backend, config.draft_quantization)
 
-    def use(head_dir, num_tokens, width):
+    def use(head_dir, num_tokens, width, backend="auto", quantization="none"):
         engine.proposers.pop("eagle", None)
         config.eagle_head = str(head_dir)
         engine.spec_controller.adaptive = False
         config.num_speculative_tokens = num_tokens
         config.speculative_tree_width = width
+        config.draft_backend, config.draft_quantization = backend, quantization
         return engine
 
     yield use
     config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens, \
-        config.speculative_tree_width = saved
+        config.speculative_tree_width, config.draft_backend, config.draft_quantization = saved
     engine.proposers.clear()
-    engine.runner.set_feature_layers(())
+    engine.sync_feature_layers()
+    assert engine.runner.feature_layers == ()
     engine.spec_controller.requests.clear()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -329,3 +331,22 @@ def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine,
     assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
     proposer = engine.proposers["eagle"]
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("backend,quantization", [("torch", "int8"), ("ipex", "none")])
+def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine, trained_eagle3_dir, generate,
+                                                                   plain_outputs, backend, quantization):
+    """On the CPU the head runs through --draft-backend / --draft-quantization; its own
+    layers change (the target's embedding is not touched) and the output does not."""
+    from draft_cpu.backends import Int8Linear, import_ipex
+    if backend == "ipex" and import_ipex() is None:
+        pytest.skip("intel_extension_for_pytorch does not import here")
+    engine = eagle_engine(trained_eagle3_dir, num_tokens=12, width=4, backend=backend, quantization=quantization)
+    embed_type = type(engine.model.embed_tokens)
+    assert generate(engine, PROMPTS, greedy(speculator="eagle")) == plain_outputs
+    head = engine.proposers["eagle"].head
+    if quantization == "int8":
+        assert isinstance(head.fc, Int8Linear) and isinstance(head.lm_head, Int8Linear)
+    else:
+        assert type(head.fc) is not torch.nn.Linear  # IPEX's prepacked linear
+    assert type(engine.model.embed_tokens) is embed_type and isinstance(engine.model.lm_head, torch.nn.Linear)

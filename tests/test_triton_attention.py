@@ -252,16 +252,21 @@ def test_model_runner_prefill_then_tree():
     assert rel_error(logits[0], logits[1].double()) < 1e-4
 
 
-def test_graph_steps_are_padded_decode_and_verify_steps():
+@pytest.mark.parametrize("feature_layers", [(), (1,)])
+def test_graph_steps_are_padded_decode_and_verify_steps(feature_layers):
     """The CUDA-graph path (captured on a GPU; run eagerly on the padded buffers here): a
     prefill runs eagerly, then decode and tree-verify steps go through the graph runner at
-    padded sizes, with the reference runner's logits and hidden states; padded tokens write
+    padded sizes, with the reference runner's logits and hidden states (with EAGLE-3
+    feature layers, graphs made again: the wider hidden states too); padded tokens write
     only the scratch block: the rest of the pool holds what the reference wrote."""
     model, cfg = tiny_model()
     limits = GraphLimits(max_tokens=16, max_seqs=4, max_model_len=64, capture=CUDA)
     graph_runner = ModelRunner(model, cfg, 16, 4, DEVICE, "triton", limits)
     reference = ModelRunner(model, cfg, 16, 4, DEVICE, "torch")
+    for runner in (graph_runner, reference):
+        runner.set_feature_layers(feature_layers)
     assert graph_runner.graphs is not None and graph_runner.graphs.sizes[-1] == 16
+    assert graph_runner.graphs.feature_layers == feature_layers
     graph_calls = []
     run = graph_runner.graphs.run
     graph_runner.graphs.run = lambda *a: graph_calls.append(len(a[0])) or run(*a)
@@ -281,6 +286,7 @@ def test_graph_steps_are_padded_decode_and_verify_steps():
             steps += [logits, hidden]
         outputs.append([t.cpu() for t in steps])
     assert graph_calls == [6, 2, 11]
+    assert outputs[0][2].shape[1] == (1 + len(feature_layers)) * cfg.hidden_size
     for ours, theirs in zip(*outputs):
         assert ours.shape == theirs.shape
         assert rel_error(ours, theirs.double()) < 1e-4
