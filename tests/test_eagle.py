@@ -1,8 +1,9 @@
 """EAGLE (speculators/eagle.py, speculators/training.py) on the default model.
 
 - Features: a proposer that reads features receives, over a whole speculative run, the
-  target's hidden state at every committed position, equal to one dense forward of the
-  final text (prefill chunks, verified roots and accepted nodes all delivered, in order).
+  target's hidden state at every committed position (with EAGLE-3 feature layers, those
+  layers' inputs too), equal to HF transformers' hidden states of the final text (prefill
+  chunks, verified roots and accepted nodes all delivered, in order).
 - Checkpoints in the public EAGLE layout (fc.weight, layers.0.*): the exact public names,
   q/k/v and gate/up split out of our fused matrices, round trip through safetensors and
   pytorch_model.bin, shape errors named.
@@ -25,7 +26,7 @@ from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.eagle import EagleProposer, _best_tree, _Node
 from speculators.eagle_heads import EagleHead, load_head, save_head, to_public_names
-from speculators.training import Sample, eagle_data, target_hidden_states, train_eagle
+from speculators.training import Sample, eagle_data, train_eagle
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -156,7 +157,11 @@ def test_proposer_drafts_a_valid_tree_within_budget_and_width():
 
 # ---- through the engine ---------------------------------------------------------------------------
 
-def test_features_of_every_committed_token_reach_the_proposer(engine_f32, generate):
+@pytest.mark.parametrize("feature_layers", [(), (2, 15, 27)], ids=["final", "eagle3-layers"])
+def test_features_of_every_committed_token_reach_the_proposer(engine_f32, hf_smollm, generate, feature_layers):
+    """Over a speculative run with prefill chunks, a proposer that reads features gets, for
+    every committed position, HF transformers' final hidden state (and with EAGLE-3 feature
+    layers, the inputs of those layers after it: output_hidden_states[j])."""
     from speculators.ngram import NGramProposer
     engine = engine_f32
     seen: dict[str, dict[int, torch.Tensor]] = {}
@@ -174,7 +179,10 @@ def test_features_of_every_committed_token_reach_the_proposer(engine_f32, genera
                 final[r.request_id] = list(r.token_ids)
             return super().propose(requests)
 
-    engine.proposers["ngram"] = Recording(1, 3)
+    recording = Recording(1, 3)
+    recording.feature_layers = feature_layers
+    engine.proposers["ngram"] = recording
+    engine.sync_feature_layers()
     saved = engine.config.max_num_batched_tokens
     engine.config.max_num_batched_tokens = 16  # prompts arrive in prefill chunks
     engine.scheduler.max_num_batched_tokens = 16
@@ -182,15 +190,18 @@ def test_features_of_every_committed_token_reach_the_proposer(engine_f32, genera
         generate(engine, PROMPTS[:2], greedy(24, speculator="ngram"))
     finally:
         engine.proposers.clear()
+        engine.sync_feature_layers()
         engine.config.max_num_batched_tokens = saved
         engine.scheduler.max_num_batched_tokens = saved
     assert engine.stats.num_accepted_tokens > 0
     for request_id, token_ids in final.items():
         store = seen[request_id]
         assert sorted(store) == list(range(len(token_ids) - 1))
-        reference = target_hidden_states(engine.model, token_ids)  # [T, H]
-        got = torch.stack([store[p] for p in range(len(token_ids) - 1)]).float()
-        torch.testing.assert_close(got, reference[:-1], atol=2e-4, rtol=1e-4)
+        got = torch.stack([store[p] for p in range(len(token_ids) - 1)]).float()  # [T-1, (1 + k) H]
+        with torch.no_grad():
+            hf = hf_smollm(torch.tensor([token_ids]), output_hidden_states=True).hidden_states
+        reference = torch.cat([hf[-1][0]] + [hf[j][0] for j in feature_layers], dim=-1)[:-1]
+        torch.testing.assert_close(got, reference, atol=5e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
