@@ -243,14 +243,12 @@ class LLMEngine:
     def _proposer(self, name: str) -> Proposer:
         proposer = self.proposers.get(name)
         if proposer is None:
-            proposer = build_proposer(name, self.config, self.target_info)
-            wanted = {p.feature_layers for p in self.proposers.values() if p.feature_layers}
-            if proposer.feature_layers and wanted - {proposer.feature_layers}:
-                proposer.close()
-                raise ValueError(f"speculator {name!r} needs the target's features of layers "
-                                 f"{proposer.feature_layers}, another loaded one those of {wanted.pop()}")
-            self.proposers[name] = proposer
-            self.sync_feature_layers()
+            proposer = self.proposers[name] = build_proposer(name, self.config, self.target_info)
+            try:
+                self.sync_feature_layers()
+            except ValueError:
+                self.proposers.pop(name).close()
+                raise
         return proposer
 
     def sync_feature_layers(self) -> None:

@@ -314,3 +314,18 @@ def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine,
     else:
         assert type(head.fc) is not torch.nn.Linear  # IPEX's prepacked linear
     assert type(engine.model.embed_tokens) is embed_type and isinstance(engine.model.lm_head, torch.nn.Linear)
+
+
+def test_proposers_reading_different_target_layers_are_refused(engine_f32):
+    from speculators.ngram import NGramProposer
+    engine = engine_f32
+    first, second = NGramProposer(1, 3), NGramProposer(1, 3)
+    first.feature_layers, second.feature_layers = SMOLLM_LAYERS, (1, 2, 3)
+    engine.proposers.update(first=first, second=second)
+    try:
+        with pytest.raises(ValueError, match="different target layers"):
+            engine.sync_feature_layers()
+    finally:
+        engine.proposers.clear()
+        engine.sync_feature_layers()
+    assert engine.runner.feature_layers == ()
