@@ -282,7 +282,7 @@ def load_public_state(head, tensors: dict[str, torch.Tensor], source: str) -> No
     """Fill head from public-layout tensors; every parameter exactly once, shapes checked."""
     prefix = _layer_prefix(head)
     fused = _fused_rows(head.config, prefix)
-    params = dict(head.named_parameters()) | dict(head.named_buffers())
+    params = head.state_dict(keep_vars=True)  # parameters and saved buffers (d2t), by our names
     filled: set[str] = set()
     for name, tensor in tensors.items():
         if name in ("embed_tokens.weight", "t2d") or name.endswith("rotary_emb.inv_freq"):
@@ -296,7 +296,7 @@ def load_public_state(head, tensors: dict[str, torch.Tensor], source: str) -> No
         parent, _, leaf = name.rpartition(".")
         ours, start, count = fused.get(parent, (parent, None, None))
         target = f"{ours}.{leaf}" if ours else leaf
-        if target not in params or target == "_t2d":
+        if target not in params:
             raise ValueError(f"{source}: unexpected tensor {name!r} for this EAGLE head")
         dest = params[target].data if start is None else params[target].data.narrow(0, start, count)
         if tuple(dest.shape) != tuple(tensor.shape):

@@ -40,6 +40,36 @@ def engine_f32():
     assert not engine.has_unfinished, "a test left requests in the shared engine"
 
 
+@pytest.fixture
+def eagle_engine(engine_f32):
+    """engine_f32 pointed at an EAGLE head: use(head_dir, adaptive, num_tokens, width,
+    backend, quantization) loads it afresh with those settings. Afterwards everything is
+    put back, the proposers dropped (the target hands out no feature layers any more) and
+    every KV block must be free again."""
+    engine = engine_f32
+    config = engine.config
+    fields = ("eagle_head", "num_speculative_tokens", "speculative_tree_width", "draft_backend", "draft_quantization")
+    saved = {name: getattr(config, name) for name in fields}
+    saved_adaptive = engine.spec_controller.adaptive
+
+    def use(head_dir, adaptive=True, num_tokens=None, width=None, backend="auto", quantization="none"):
+        engine.proposers.pop("eagle", None)
+        engine.spec_controller.adaptive = adaptive
+        for name, value in zip(fields, (str(head_dir), num_tokens, width, backend, quantization)):
+            setattr(config, name, value)
+        return engine
+
+    yield use
+    for name, value in saved.items():
+        setattr(config, name, value)
+    engine.spec_controller.adaptive = saved_adaptive
+    engine.proposers.clear()
+    engine.sync_feature_layers()
+    assert engine.runner.feature_layers == ()
+    engine.spec_controller.requests.clear()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def run_to_completion(engine, prompts, params, max_steps: int = 100_000) -> list[list[int]]:
     """Add every prompt (with its SamplingParams, or one for all), step until all finish.
 

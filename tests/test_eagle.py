@@ -25,7 +25,7 @@ from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.eagle import EagleProposer, _best_tree, _Node
-from speculators.eagle_heads import EagleHead, load_head, save_head, to_public_names
+from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head, to_public_names
 from speculators.training import Sample, eagle_data, train_eagle
 
 PROMPTS = [
@@ -234,29 +234,6 @@ def random_head_dir(engine_f32, tmp_path_factory):
     return save_head(head, tmp_path_factory.mktemp("eagle") / "random")
 
 
-@pytest.fixture
-def eagle_engine(engine_f32):
-    engine = engine_f32
-    config = engine.config
-    saved = (config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens,
-             config.speculative_tree_width)
-
-    def use(head_dir, adaptive=True, num_tokens=None, width=None):
-        engine.proposers.pop("eagle", None)
-        config.eagle_head = str(head_dir)
-        engine.spec_controller.adaptive = adaptive
-        config.num_speculative_tokens = num_tokens
-        config.speculative_tree_width = width
-        return engine
-
-    yield use
-    config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens, \
-        config.speculative_tree_width = saved
-    engine.proposers.clear()
-    engine.spec_controller.requests.clear()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 @pytest.mark.parametrize("width", [1, 4])
 def test_trained_head_is_greedy_lossless_and_accepts_drafts(eagle_engine, trained_head, generate, plain_outputs,
                                                             width):
@@ -291,26 +268,41 @@ def test_seeded_sampling_with_eagle_equals_plain_sampling(eagle_engine, trained_
 
 # ---- training-time test --------------------------------------------------------------------------
 
-@torch.no_grad()
-def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving():
-    """Unroll step k at position p equals drafting k + 1 deep from the context 0..p-k with
-    the head's own earlier predictions as features (tokens teacher-forced): a dense causal
-    pass over the true entries followed by the chain, written here step by step."""
-    from speculators.training import dense_causal_attention, unrolled_predictions
-    cfg = tiny_config()
-    head = random_head(cfg, seed=3).float()
-    t, unroll = 14, 3
+def unroll_case(kind: str):
+    """(head, tokens [T], the target's features [T-1, F]) for the training-time test."""
     gen = torch.Generator().manual_seed(0)
+    if kind == "eagle":
+        cfg, t = tiny_config(), 14
+        head = random_head(cfg, seed=3).float()
+        width = cfg.hidden_size
+    else:  # EAGLE-3: fc over three layers' inputs, its own LM head over every other token
+        cfg, t = tiny_config(num_layers=8), 12
+        head = new_eagle3_head(cfg, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.arange(0, 50, 2))
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        width = 3 * cfg.hidden_size
     tokens = torch.randint(0, cfg.vocab_size, (t,), generator=gen)
-    features = torch.randn(t, cfg.hidden_size, generator=gen)
-    steps = unrolled_predictions(head, tokens, features[:-1], unroll)
+    return head, tokens, torch.randn(t - 1, width, generator=gen)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving(kind):
+    """Unroll step k at position p equals drafting k + 1 deep from the context 0..p-k
+    (tokens teacher-forced): a dense causal pass over the states made from the target's
+    features at the context (EAGLE-1: the features; EAGLE-3: fc of them), followed by the
+    head's own output states along the chain, written here step by step."""
+    from speculators.training import dense_causal_attention, unrolled_predictions
+    head, tokens, features = unroll_case(kind)
+    t, unroll = len(tokens), 3
+    steps = unrolled_predictions(head, tokens, features, unroll)
     for context in range(t - unroll):  # the last true entry: (f_c, token c + 1) at position c
-        inputs, ids = list(features[:context + 1]), list(tokens[1:context + 2])
+        states, ids = list(head.project(features[:context + 1])), list(tokens[1:context + 2])
         for k in range(unroll):
             p = context + k
             if p > t - 2:
                 break
-            out = head(torch.stack(ids), torch.arange(len(ids)), torch.stack(inputs), dense_causal_attention)
+            out = head(torch.stack(ids), torch.arange(len(ids)), torch.stack(states), dense_causal_attention)
             torch.testing.assert_close(steps[k][p], out[-1], atol=1e-5, rtol=1e-5)
-            inputs.append(out[-1])  # the next depth reads this prediction of f_{p+1}
+            states.append(out[-1])  # the next depth reads this output state
             ids.append(tokens[p + 2] if p + 2 < t else tokens[0])

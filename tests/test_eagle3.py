@@ -8,8 +8,8 @@ references nobody here wrote.
   published architecture assembled here from HF transformers' own Llama modules
   (LlamaRMSNorm, LlamaAttention with 2H-wide q/k/v, LlamaMLP, LlamaRotaryEmbedding);
   draft ids map to target tokens through d2t. Bad checkpoints are named errors.
-- Training: the unrolled steps equal step-by-step drafting; the draft vocabulary is the
-  most written tokens.
+- Training: the draft vocabulary is the most written tokens (the unrolled steps of either
+  head against step-by-step drafting: test_eagle.py).
 - Through the engine, float32, batched: a random and a briefly trained EAGLE-3 head give
   the output of `--speculator none`, the trained one landing drafts; blocks all return.
 """
@@ -26,7 +26,7 @@ from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
 from speculators.training import (Sample, dense_causal_attention, draft_vocabulary, eagle_data,
-                                  target_hidden_states, train_eagle, unrolled_predictions)
+                                  target_hidden_states, train_eagle)
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -180,32 +180,6 @@ def test_draft_vocabulary_is_the_most_written_answer_tokens():
     assert draft_vocabulary(samples, 3, always=[0]).tolist() == [0, 5, 9]
 
 
-@torch.no_grad()
-def test_unrolled_eagle3_steps_are_the_drafts_the_head_makes_when_serving():
-    """As for EAGLE-1 (test_eagle.py): unroll step k at p is drafting k + 1 deep from the
-    context 0..p-k, here with states made by fc from the target's features at the context
-    and the head's own output states after it."""
-    target = tiny_target()
-    head = new_eagle3_head(target, torch.nn.Embedding(target.vocab_size, target.hidden_size), torch.arange(0, 50, 2))
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    t, unroll = 12, 3
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, target.vocab_size, (t,), generator=gen)
-    features = torch.randn(t - 1, 3 * target.hidden_size, generator=gen)
-    steps = unrolled_predictions(head, tokens, features, unroll)
-    for context in range(t - unroll):
-        states, ids = list(head.project(features[:context + 1])), list(tokens[1:context + 2])
-        for k in range(unroll):
-            p = context + k
-            if p > t - 2:
-                break
-            out = head(torch.stack(ids), torch.arange(len(ids)), torch.stack(states), dense_causal_attention)
-            torch.testing.assert_close(steps[k][p], out[-1], atol=1e-5, rtol=1e-5)
-            states.append(out[-1])
-            ids.append(tokens[p + 2] if p + 2 < t else tokens[0])
-
-
 # ---- the default model, through the engine -----------------------------------------------------------
 
 @torch.no_grad()
@@ -245,39 +219,13 @@ def trained_eagle3_dir(engine_f32, plain_outputs, tmp_path_factory):
     return save_head(head, tmp_path_factory.mktemp("eagle3") / "trained")
 
 
-@pytest.fixture
-def eagle_engine(engine_f32):
-    engine = engine_f32
-    config = engine.config
-    saved = (config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens,
-             config.speculative_tree_width, config.draft_backend, config.draft_quantization)
-
-    def use(head_dir, num_tokens, width, backend="auto", quantization="none"):
-        engine.proposers.pop("eagle", None)
-        config.eagle_head = str(head_dir)
-        engine.spec_controller.adaptive = False
-        config.num_speculative_tokens = num_tokens
-        config.speculative_tree_width = width
-        config.draft_backend, config.draft_quantization = backend, quantization
-        return engine
-
-    yield use
-    config.eagle_head, engine.spec_controller.adaptive, config.num_speculative_tokens, \
-        config.speculative_tree_width, config.draft_backend, config.draft_quantization = saved
-    engine.proposers.clear()
-    engine.sync_feature_layers()
-    assert engine.runner.feature_layers == ()
-    engine.spec_controller.requests.clear()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 def test_random_eagle3_head_is_greedy_lossless(eagle_engine, engine_f32, plain_outputs, generate, tmp_path):
     torch.manual_seed(3)
     head = smollm_eagle3_head(engine_f32, [Sample(list(range(4096)), 0)])
     for name, p in head.named_parameters():
         if name not in ("norm.weight", "lm_head.weight"):
             torch.nn.init.normal_(p, std=0.02)
-    engine = eagle_engine(save_head(head, tmp_path / "random"), num_tokens=8, width=3)
+    engine = eagle_engine(save_head(head, tmp_path / "random"), adaptive=False, num_tokens=8, width=3)
     drafted = engine.stats.num_draft_tokens
     assert generate(engine, PROMPTS, greedy(speculator="eagle")) == plain_outputs
     assert engine.stats.num_draft_tokens > drafted
@@ -286,7 +234,7 @@ def test_random_eagle3_head_is_greedy_lossless(eagle_engine, engine_f32, plain_o
 
 def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine, trained_eagle3_dir, generate,
                                                                    plain_outputs):
-    engine = eagle_engine(trained_eagle3_dir, num_tokens=12, width=4)
+    engine = eagle_engine(trained_eagle3_dir, adaptive=False, num_tokens=12, width=4)
     accepted, steps = engine.stats.num_accepted_tokens, engine.stats.num_verify_steps
     outputs = generate(engine, PROMPTS, greedy(speculator="eagle"))
     for i, (out, ref) in enumerate(zip(outputs, plain_outputs)):
@@ -305,7 +253,8 @@ def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine,
     from draft_cpu.backends import Int8Linear, import_ipex
     if backend == "ipex" and import_ipex() is None:
         pytest.skip("intel_extension_for_pytorch does not import here")
-    engine = eagle_engine(trained_eagle3_dir, num_tokens=12, width=4, backend=backend, quantization=quantization)
+    engine = eagle_engine(trained_eagle3_dir, adaptive=False, num_tokens=12, width=4, backend=backend,
+                          quantization=quantization)
     embed_type = type(engine.model.embed_tokens)
     assert generate(engine, PROMPTS, greedy(speculator="eagle")) == plain_outputs
     head = engine.proposers["eagle"].head
