@@ -65,6 +65,8 @@ class KernelMetadata:
     work_seq: torch.Tensor  # [W] int32: the sequence of each program
     work_row: torch.Tensor  # [W] int32: its first query row within the sequence
     rows_per_program: int  # M of the kernel's tile: G * query rows (padded), a power of two >= 16
+    max_seq_len: int  # the longest seq_len the step may hold (a CUDA graph's: the model's limit)
+    num_splits: int | None = None  # parts of each program's key range; None = the kernel's choice
 
     @classmethod
     def build(cls, seqs: list[SeqAttentionInput], block_size: int, g: int, device) -> "KernelMetadata":
@@ -76,7 +78,7 @@ class KernelMetadata:
         query_start, query_len, seq_len, mask_offset = ints[:4 * b].view(4, b)
         work_seq, work_row = ints[4 * b:].view(2, w)
         return cls(query_start, query_len, seq_len, fields.block_tables.to(device), mask_offset,
-                   fields.masks.to(device), work_seq, work_row, rows)
+                   fields.masks.to(device), work_seq, work_row, rows, max((s.seq_len for s in seqs), default=0))
 
 
 @dataclass(slots=True)

@@ -14,7 +14,8 @@ launch. Graphs need fixed shapes and fixed addresses, so:
   - every input lives in one set of fixed device buffers (StaticStep), refilled before
     each replay from one pinned host buffer (two host-to-device copies per step, no sync);
   - attention tiles are 64 rows high in every graph (KernelMetadata.rows_per_program), so
-    one captured kernel serves decodes and trees alike.
+    one captured kernel serves decodes and trees alike; key splits are chosen as for the
+    model's longest sequence (the parts' lengths follow each sequence's own, in the kernel).
 
 Graphs are captured when the runner starts, largest first, in one shared memory pool;
 `--enforce-eager` turns them off. Outputs are views into the pool, valid until the next
@@ -73,7 +74,7 @@ class StaticStep:
         query_start, query_len, seq_len, mask_offset = self.per_seq
         work_seq, work_row = self.work[:, :num_tokens]
         kernel = KernelMetadata(query_start, query_len, seq_len, self.block_tables, mask_offset, self.masks,
-                                work_seq, work_row, self.rows_per_program)
+                                work_seq, work_row, self.rows_per_program, self.max_blocks * self.block_size)
         return ids, positions, AttentionMetadata(slots, [], num_tokens, kernel)
 
     def fits(self, seqs: list[SeqAttentionInput], num_tokens: int) -> bool:

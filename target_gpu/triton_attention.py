@@ -18,6 +18,14 @@ sequence brings no mask, mask_offset -1), else masks[mask_offset + j * query_len
 the sequence's [query_len, query_len] tree mask over its new tokens stored flat (int8).
 Causal rows stop at their own position; tree rows walk the whole sequence.
 
+Key splits ("flash decoding", Dao et al. 2023). A decode at batch 1 has only Hkv
+programs, too few for a GPU of 132 SMs, each walking the whole context. When a step has
+fewer than TARGET_PROGRAMS programs and long sequences (num_key_splits), a third grid
+axis cuts every program's key range into NUM_SPLITS parts of equal length (multiples of
+BLOCK_N, computed in the kernel from the sequence's length, so a CUDA graph captured with
+one split count serves any length). Each part writes its normalized partial output and
+its log-sum-exp (fp32, [S, T, Hq]); a merge kernel weighs the parts by exp2(lse - max).
+
 Before attending, a second small kernel writes the step's k/v into their slots
 (slot_mapping), one program per token and every KV head in it.
 
@@ -43,6 +51,18 @@ except ImportError:  # the module still imports; the backend says why it cannot 
 
 BLOCK_N = 32  # keys per step of the loop
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+TARGET_PROGRAMS = 512  # key splits are added until a step has about this many programs (~4 per SM)
+MIN_KEYS_PER_SPLIT = 256  # ... but no part walks fewer keys than this
+MAX_SPLITS = 32
+
+
+def num_key_splits(num_programs: int, max_seq_len: int) -> int:
+    """Parts each program's key range is cut into: 1 when the step already has
+    TARGET_PROGRAMS programs or its sequences are short; else enough to reach about
+    TARGET_PROGRAMS, at most MAX_SPLITS, none of fewer than MIN_KEYS_PER_SPLIT keys."""
+    if num_programs >= TARGET_PROGRAMS:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_seq_len // MIN_KEYS_PER_SPLIT))
 
 
 def interpreting() -> bool:
@@ -63,14 +83,16 @@ def unsupported_reason(kv_cache: KVCache) -> str | None:
     return None
 
 
-def _paged_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                      query_start_ptr, query_len_ptr, seq_len_ptr, block_tables_ptr, mask_offset_ptr, masks_ptr,
                      work_seq_ptr, work_row_ptr,
-                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                     scale_log2, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                      NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(work_seq_ptr + work)
     first_row = tl.load(work_row_ptr + work)
     query_start = tl.load(query_start_ptr + seq)
@@ -96,9 +118,12 @@ def _paged_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     kv_end = context_len + last_row  # causal rows stop at their own position
     if is_tree:
         kv_end = seq_len
-    for start in range(0, kv_end, BLOCK_N):
+    part_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N  # this split's keys: [lo, hi)
+    lo = split * part_len
+    hi = tl.minimum(lo + part_len, kv_end)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [N] key positions
-        n_ok = n < kv_end
+        n_ok = n < hi
         block = tl.load(block_tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
         kv_offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]  # [N, D] in a contiguous pool
@@ -120,9 +145,33 @@ def _paged_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    o_rows = (query_start + j) * stride_ot + (kv_head * G + r % G) * stride_oh  # [M]
-    tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    head = kv_head * G + r % G  # [M]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_rows = (query_start + j) * stride_ot + head * stride_oh  # [M]
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # this part's normalized output and log2-sum-exp2; an empty part weighs nothing
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        part_rows = (split * num_tokens + query_start + j) * (NUM_KV_HEADS * G) + head  # [M] in [S, T, Hq]
+        tl.store(part_ptr + part_rows[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+        tl.store(lse_ptr + part_rows, tl.where(seen, m_i + tl.log2(l_safe), -1.0e30), mask=row_ok)
+
+
+def _merge_splits(out_ptr, part_ptr, lse_ptr, num_tokens, stride_ot, stride_oh,
+                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    ok = s < NUM_SPLITS
+    rows = (s * num_tokens + t) * NUM_HEADS + h  # [S] in [S, T, Hq]
+    lse = tl.load(lse_ptr + rows, mask=ok, other=-1.0e30)  # [S]
+    weight = tl.where(ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [S]
+    d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)  # [S, D]
+    out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)  # [D]
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -139,9 +188,9 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, strid
 
 @functools.cache
 def _kernels(interpret: bool):
-    """(attention, write_kv), jitted now (TRITON_INTERPRET is read here); one pair per mode."""
+    """(attention, merge_splits, write_kv), jitted now (TRITON_INTERPRET is read here); one set per mode."""
     del interpret  # the cache key only
-    return triton.jit(_paged_attention), triton.jit(_write_kv)
+    return triton.jit(_paged_attention), triton.jit(_merge_splits), triton.jit(_write_kv)
 
 
 class TritonAttentionBackend:
@@ -162,7 +211,7 @@ class TritonAttentionBackend:
         # q [T, Hq, D]; k, v [T, Hkv, D] -> out [T, Hq, D]
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         num_tokens, num_kv_heads, head_dim = k.shape
-        attention_kernel, write_kv_kernel = _kernels(interpreting())
+        attention_kernel, merge_kernel, write_kv_kernel = _kernels(interpreting())
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
@@ -171,12 +220,21 @@ class TritonAttentionBackend:
             k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             NUM_KV_HEADS=num_kv_heads, HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim)
         km = meta.kernel
-        grid = (km.work_seq.shape[0], num_kv_heads)
-        attention_kernel[grid](
-            out, q, k_cache, v_cache, km.query_start, km.query_len, km.seq_len, km.block_tables, km.mask_offset,
-            km.masks, km.work_seq, km.work_row, math.log2(math.e) / math.sqrt(head_dim),
+        num_programs = km.work_seq.shape[0]
+        splits = km.num_splits or num_key_splits(num_programs * num_kv_heads, km.max_seq_len)
+        part = lse = out  # unread when there is one split
+        if splits > 1:
+            part = torch.empty(splits, num_tokens, q.shape[1], head_dim, dtype=torch.float32, device=q.device)
+            lse = torch.empty(splits, num_tokens, q.shape[1], dtype=torch.float32, device=q.device)
+        attention_kernel[(num_programs, num_kv_heads, splits)](
+            out, part, lse, q, k_cache, v_cache, km.query_start, km.query_len, km.seq_len, km.block_tables,
+            km.mask_offset, km.masks, km.work_seq, km.work_row, math.log2(math.e) / math.sqrt(head_dim), num_tokens,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), km.block_tables.stride(0),
             NUM_KV_HEADS=num_kv_heads, G=q.shape[1] // num_kv_heads, BLOCK_M=km.rows_per_program, BLOCK_N=BLOCK_N,
             HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits)
+        if splits > 1:
+            merge_kernel[(num_tokens, q.shape[1])](
+                out, part, lse, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=q.shape[1], NUM_SPLITS=splits,
+                SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=head_dim)
         return out

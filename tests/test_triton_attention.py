@@ -87,10 +87,10 @@ def scattered_tables(seq_lens: list[int], block_size: int, gen: torch.Generator)
 
 
 def check_step(query_lens, context_lens, heads, *, masks=None, block_size=4, head_dim=16, dtype=torch.float32,
-               seed=0):
+               seed=0, num_splits=None):
     """One step over a random paged layout, through both backends on copies of one pool:
     the pools must be equal afterwards (the KV write), and the Triton output close to naive
-    float64 attention and to the reference."""
+    float64 attention and to the reference. num_splits: key splits (None: the kernel's choice)."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -114,6 +114,7 @@ def check_step(query_lens, context_lens, heads, *, masks=None, block_size=4, hea
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     layer, g = 1, num_heads // num_kv_heads
     meta = AttentionMetadata.build(inputs, slot_mapping, block_size, g, DEVICE, for_kernel=True)
+    meta.kernel.num_splits = num_splits
     out = TritonAttentionBackend(caches[0]).forward(layer, q, k, v, meta)
     ref_meta = AttentionMetadata.build(inputs, slot_mapping, block_size, g, DEVICE)
     ref = TorchAttentionBackend(caches[1]).forward(layer, q, k, v, ref_meta)
@@ -214,6 +215,38 @@ def test_half_precision_on_gpu(heads, dtype):
                    dtype=dtype, seed=6)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_key_splits(num_splits):
+    """Each program's keys cut in parts and merged (flash decoding): decodes, trees and
+    chunks, with parts that hold only keys a row may not see, and empty parts (8 splits of
+    a short sequence)."""
+    rng = random.Random(19)
+    query_lens, context_lens = [1, 6, 30, 1, 4, 2], [150, 8, 3, 0, 90, 5]
+    masks = [None, tree_mask(8, 6, rng), None, None, tree_mask(90, 4, rng), None]
+    check_step(query_lens, context_lens, (6, 2), masks=masks, block_size=16, seed=8, num_splits=num_splits)
+
+
+def test_key_split_choice():
+    """Splits only while a step has too few programs for the GPU and its keys are many."""
+    choose, target = triton_attention.num_key_splits, triton_attention.TARGET_PROGRAMS
+    min_keys = triton_attention.MIN_KEYS_PER_SPLIT
+    assert choose(target, 100_000) == 1  # enough programs already
+    assert choose(2, min_keys - 1) == 1  # too few keys to cut
+    assert choose(2, 3 * min_keys) == 3  # parts of at least MIN_KEYS_PER_SPLIT keys
+    assert choose(2, 100_000) == triton_attention.MAX_SPLITS
+    assert choose(target // 4, 100_000) == 4  # enough to reach the target
+
+
+@ON_GPU
+def test_long_contexts_split_on_gpu():
+    """A batch-1 decode and a small tree over thousands of cached keys, bf16, the kernel's
+    own split choice (more than one here)."""
+    rng = random.Random(23)
+    assert triton_attention.num_key_splits(2 * 2, 4000) > 1
+    check_step([1, 5], [4000, 2500], (8, 2), masks=[None, tree_mask(2500, 5, rng)], block_size=16, head_dim=64,
+               dtype=torch.bfloat16, seed=9)
+
+
 def test_mask_must_show_the_whole_context():
     """The kernel masks new tokens only: a mask hiding part of the cached context is refused."""
     mask = causal_mask(4, 2)
@@ -252,13 +285,19 @@ def test_model_runner_prefill_then_tree():
     assert rel_error(logits[0], logits[1].double()) < 1e-4
 
 
-@pytest.mark.parametrize("feature_layers", [(), (1,)])
-def test_graph_steps_are_padded_decode_and_verify_steps(feature_layers):
+@pytest.mark.parametrize("feature_layers, min_split_keys", [((), None), ((1,), 16)],
+                         ids=["plain", "feature-layers-and-key-splits"])
+def test_graph_steps_are_padded_decode_and_verify_steps(feature_layers, min_split_keys, monkeypatch):
     """The CUDA-graph path (captured on a GPU; run eagerly on the padded buffers here): a
     prefill runs eagerly, then decode and tree-verify steps go through the graph runner at
     padded sizes, with the reference runner's logits and hidden states (with EAGLE-3
-    feature layers, graphs made again: the wider hidden states too); padded tokens write
+    feature layers, graphs made again: the wider hidden states too; with parts of 16 keys,
+    every graph splits keys 4 ways, chosen for the 64-token limit); padded tokens write
     only the scratch block: the rest of the pool holds what the reference wrote."""
+    splits, choose = [], triton_attention.num_key_splits
+    monkeypatch.setattr(triton_attention, "num_key_splits", lambda *a: splits.append(choose(*a)) or splits[-1])
+    if min_split_keys:
+        monkeypatch.setattr(triton_attention, "MIN_KEYS_PER_SPLIT", min_split_keys)
     model, cfg = tiny_model()
     limits = GraphLimits(max_tokens=16, max_seqs=4, max_model_len=64, capture=CUDA)
     graph_runner = ModelRunner(model, cfg, 16, 4, DEVICE, "triton", limits)
@@ -286,6 +325,7 @@ def test_graph_steps_are_padded_decode_and_verify_steps(feature_layers):
             steps += [logits, hidden]
         outputs.append([t.cpu() for t in steps])
     assert graph_calls == [6, 2, 11]
+    assert splits == [1, 1] + [4 if min_split_keys else 1] * 6  # eager prefill, then 3 graph steps of 2 layers
     assert outputs[0][2].shape[1] == (1 + len(feature_layers)) * cfg.hidden_size
     for ours, theirs in zip(*outputs):
         assert ours.shape == theirs.shape
@@ -365,12 +405,15 @@ def test_imports_without_triton():
 # ---- the real compiler, without a GPU -----------------------------------------------------------
 
 ATTENTION_SIGNATURE = {
-    **{name: "*{dtype}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")},
+    **{name: "*{dtype}" for name in ("out_ptr", "part_ptr", "lse_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")},
     **{name: "*i32" for name in ("query_start_ptr", "query_len_ptr", "seq_len_ptr", "block_tables_ptr",
                                  "mask_offset_ptr", "work_seq_ptr", "work_row_ptr")},
     "masks_ptr": "*i8", "scale_log2": "fp32",
-    **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table")},
+    **{name: "i32" for name in ("num_tokens", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table")},
 }
+SPLIT_ATTENTION_SIGNATURE = {**ATTENTION_SIGNATURE, "part_ptr": "*fp32", "lse_ptr": "*fp32"}  # parts in fp32
+MERGE_SIGNATURE = {"out_ptr": "*{dtype}", "part_ptr": "*fp32", "lse_ptr": "*fp32",
+                   **{name: "i32" for name in ("num_tokens", "stride_ot", "stride_oh")}}
 WRITE_KV_SIGNATURE = {
     **{name: "*{dtype}" for name in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64",
     **{name: "i32" for name in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")},
@@ -390,12 +433,16 @@ COMPILE = """if True:
 
 
 def kernel_cases(dtype: str, g: int, rows: int, head_dim: int, block_size: int) -> list[tuple[str, dict, dict]]:
-    """(kernel, signature, constants) of both kernels as the backend launches them."""
+    """(kernel, signature, constants) of the kernels as the backend launches them: attention
+    with one key split and with five (then the merge too), and the KV write."""
     attention = {"NUM_KV_HEADS": 2, "G": g, "BLOCK_M": rows, "BLOCK_N": triton_attention.BLOCK_N,
                  "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    merge = {"NUM_HEADS": 2 * g, "NUM_SPLITS": 5, "SPLITS_P2": 8, "HEAD_DIM": head_dim}
     write_kv = {"NUM_KV_HEADS": 3, "HEADS_P2": 4, "HEAD_DIM": head_dim}
     cases = []
-    for name, signature, constants in [("_paged_attention", ATTENTION_SIGNATURE, attention),
+    for name, signature, constants in [("_paged_attention", ATTENTION_SIGNATURE, {**attention, "NUM_SPLITS": 1}),
+                                       ("_paged_attention", SPLIT_ATTENTION_SIGNATURE, {**attention, "NUM_SPLITS": 5}),
+                                       ("_merge_splits", MERGE_SIGNATURE, merge),
                                        ("_write_kv", WRITE_KV_SIGNATURE, write_kv)]:
         signature = {arg: ty.format(dtype=dtype) for arg, ty in signature.items()}
         cases.append((name, {**signature, **dict.fromkeys(constants, "constexpr")}, constants))
