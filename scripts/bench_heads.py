@@ -14,8 +14,11 @@ interleaved rounds after a warm-up, the median round shown:
   - ours EAGLE-3 chain / tree: the EAGLE-3 head (--eagle3-head), the same two ways;
   - ours lookahead:      the lookahead proposer (tree width 3);
 with the heads on each of --head-devices (cpu, and cuda on a GPU box). Mean acceptance
-length is tokens per verify step (accepted drafts + the target's own token). Targets after
-CPU training: EAGLE-2 acceptance length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain.
+length is tokens per verify step (accepted drafts + the target's own token), in the timed
+rounds (adaptive speculation on: the controller drafts less where drafting does not pay)
+and, in one more pass with it off ("fixed"), with the whole configured tree every step:
+what the drafts themselves are worth. Targets after CPU training: EAGLE-2 acceptance
+length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain.
 
     .venv/bin/python scripts/bench_heads.py                               # trains (~40 min) then measures
     .venv/bin/python scripts/bench_heads.py --limit 4 --max-tokens 32 --repeats 1   # smoke test
@@ -33,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from runtime import LLM  # noqa: E402
+from runtime.config import DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
+from runtime.speculation import SpeculationController  # noqa: E402
 from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
 from speculators.training import default_prompt_file, load_prompts  # noqa: E402
 
@@ -143,29 +148,42 @@ def main(argv=None) -> None:
             print(f"round {r + 1}/{args.repeats} {system.label:44s} {tokens:5d} tokens {seconds:7.2f} s "
                   f"{tokens / seconds:7.1f} tok/s", file=sys.stderr)
 
+    fixed = {}  # system key -> acceptance length with every step's whole tree (adaptive off)
+    for system, device in systems:
+        if system.speculator not in (None, "none"):
+            select(system, device)
+            llm.engine.spec_controller = SpeculationController(adaptive=False)
+            m = Measure()
+            add_metrics(m, run_engine(llm, prompts, args.max_tokens)[2])
+            fixed[system.key] = m.acceptance_length
+
     print(f"\n### Medusa and EAGLE heads, {datetime.date.today().isoformat()}\n")
     print(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}")
     print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
-          f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on\n")
+          f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), then "
+          f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE, "
+          f"{DEFAULT_SPECULATIVE_TOKENS['medusa']} for Medusa, every step)\n")
     plain, hf_rate = measures["plain"].rate, measures["hf"].rate
     rows = []
     for system, _ in systems:
         m = measures[system.key]
-        length = m.acceptance_length
+        length, fixed_length = m.acceptance_length, fixed.get(system.key)
         rows.append((system.label, f"{m.rate:.1f}", ratio(m.rate, plain), ratio(m.rate, hf_rate),
-                     "-" if length is None else f"{length:.2f}"))
-    print_table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len"), rows)
+                     "-" if length is None else f"{length:.2f}", "-" if fixed_length is None else f"{fixed_length:.2f}"))
+    print_table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len", "fixed"), rows)
     rates = {k: statistics.median(n / s for n, s in m.rounds) for k, m in measures.items()}
     tree = measures[f"eagle-tree-{head_devices[0]}"]
     medusa = measures[f"medusa-{head_devices[0]}"]
-    print(f"\ntargets: EAGLE-2 acceptance length {tree.acceptance_length or 0:.2f} (>= 2.5), Medusa "
-          f"{medusa.acceptance_length or 0:.2f} (>= 1.8), EAGLE-2 {rates[f'eagle-tree-{head_devices[0]}'] / plain:.2f}x "
+    where = head_devices[0]
+    print(f"\ntargets: EAGLE-2 acceptance length {tree.acceptance_length or 0:.2f}, fixed "
+          f"{fixed[f'eagle-tree-{where}'] or 0:.2f} (>= 2.5), Medusa {medusa.acceptance_length or 0:.2f}, fixed "
+          f"{fixed[f'medusa-{where}'] or 0:.2f} (>= 1.8), EAGLE-2 {rates[f'eagle-tree-{where}'] / plain:.2f}x "
           f"our plain (>= 1.8x)")
-    tree3 = measures.get(f"eagle3-tree-{head_devices[0]}")
+    tree3 = measures.get(f"eagle3-tree-{where}")
     if tree3 is not None:
-        print(f"EAGLE-3 head, EAGLE-2 trees: acceptance length {tree3.acceptance_length or 0:.2f}, "
-              f"{rates[f'eagle3-tree-{head_devices[0]}'] / plain:.2f}x our plain")
+        print(f"EAGLE-3 head, EAGLE-2 trees: acceptance length {tree3.acceptance_length or 0:.2f}, fixed "
+              f"{fixed[f'eagle3-tree-{where}'] or 0:.2f}, {rates[f'eagle3-tree-{where}'] / plain:.2f}x our plain")
 
 
 if __name__ == "__main__":
