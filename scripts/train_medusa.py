@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from speculators.medusa import MedusaHeads, save_heads  # noqa: E402
+from speculators.medusa import MedusaHeads, load_heads, save_heads  # noqa: E402
 from speculators.training import (add_self_distillation_args, medusa_data, self_distillation_corpus,  # noqa: E402
                                   train_medusa)
 
@@ -37,7 +37,23 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=256, help="positions per step (default: 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--eval-every", type=int, default=250, help="validate (and checkpoint) every N steps")
+    p.add_argument("--init-heads", default=None, help="start from this Medusa checkpoint (its heads, blocks and LM "
+                                                      "head sharing) instead of fresh heads")
     return p.parse_args(argv)
+
+
+def new_heads(args, model) -> MedusaHeads:
+    """The heads to train: from --init-heads, else fresh ones (a residual block starts as
+    the identity, an own LM head as the target's)."""
+    cfg = model.config
+    if args.init_heads:
+        return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head).float()
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, args.num_heads, args.num_layers,
+                        None if args.own_lm_head else model.lm_head)
+    if args.own_lm_head:
+        for head in heads.lm_heads:
+            head.weight.data.copy_(model.lm_head.weight.detach().float())
+    return heads
 
 
 def main(argv=None) -> int:
@@ -48,19 +64,14 @@ def main(argv=None) -> int:
     engine, train_samples, val_samples = self_distillation_corpus(args)
     start = time.perf_counter()
     model = engine.model
-    train = medusa_data(model, train_samples, args.num_heads)
-    val = medusa_data(model, val_samples, args.num_heads)
+    heads = new_heads(args, model).to(model.embed_tokens.weight.device)
+    train = medusa_data(model, train_samples, heads.num_heads)
+    val = medusa_data(model, val_samples, heads.num_heads)
     print(f"{len(train)} training positions, {len(val)} validation positions")
-    cfg = model.config
-    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, args.num_heads, args.num_layers,
-                        None if args.own_lm_head else model.lm_head)
-    if args.own_lm_head:
-        for head in heads.lm_heads:
-            head.weight.data.copy_(model.lm_head.weight.detach().float())
-    heads.to(model.embed_tokens.weight.device)
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens}}
+             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens,
+                          "init_heads": args.init_heads}}
 
     def checkpoint(step, val_loss, val_acceptance):
         save_heads(heads, out, {**extra, "step": step, "val_loss": val_loss, "val_acceptance": val_acceptance})

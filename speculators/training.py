@@ -3,9 +3,9 @@ a prompt set, and heads learn to predict what the target does next.
 
   1. `generate_corpus`: the target (our engine, batched) answers every prompt; a sample is
      prompt + answer as token ids. Saved as JSONL so several trainings share one corpus.
-  2. `target_hidden_states`: one causal forward of the target over a whole sample (dense
+  2. `target_states`: one causal forward of the target over a whole sample (dense
      attention, no KV cache) gives its final hidden states [T, H], the features the heads
-     read at serving time.
+     read at serving time, and its greedy next token at every position.
   3. `train_medusa`: head k learns, from the hidden state at position p, the token the
      target wrote at p + 2 + k (cross-entropy per head, later heads weighted down), on
      answer positions only (the prompt is the user's text, not the target's). Soft
@@ -15,7 +15,9 @@ a prompt set, and heads learn to predict what the target does next.
      1 (the target's own token) plus how many heads in a row guess right.
   4. `train_eagle`: the head reads (f_p, token p + 1) for every p of a sample in one causal
      pass (EAGLE's uniform noise on the input features) and is scored by the cross-entropy
-     of its draft distribution against the token the target wrote at p + 2; an EAGLE-1
+     of its draft distribution against the target's greedy token at p + 2 (its argmax
+     after token p + 1: the token it wrote, in a greedy corpus; in a sampled one, the
+     choice a greedy request would verify, where the written token is a draw); an EAGLE-1
      head also against f_{p+1} (smooth L1, with the cross-entropy weighted 0.1). EAGLE-3
      features are three target layers' inputs, and its draft vocabulary the corpus's most
      frequent answer tokens (`draft_vocabulary`). Validation: depth-1 top-1 accuracy,
@@ -154,13 +156,22 @@ def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 @torch.no_grad()  # not inference_mode: the states are training inputs and targets
-def target_hidden_states(model, token_ids: list[int], feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
-    """The target's final hidden states (after the last norm) at every position: [T, H] float32;
-    with feature_layers, [T, (1 + k) H]: then the inputs of those layers (DecoderModel.forward)."""
+def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] = (), progress: bool = True):
+    """For each sample in order, (sample, hidden, greedy): the target's final hidden states
+    (after the last norm) at every position, [T, H] float32, with feature_layers [T, (1 + k) H]:
+    then the inputs of those layers (DecoderModel.forward); and its greedy next token after
+    every position ([T], the argmax of its logits). One forward per sample: packing several
+    into one forward under a block-diagonal mask was slower on the CPU (0.27 s a sample
+    alone, 0.32 in packs of 512 tokens, 1.1 in packs of 2048: a masked attention takes
+    scaled_dot_product_attention's unfused path)."""
+    from tqdm import tqdm
     device = model.embed_tokens.weight.device
-    ids = torch.tensor(token_ids, device=device)
-    positions = torch.arange(len(token_ids), device=device)
-    return model(ids, positions, dense_causal_attention, feature_layers).float().cpu()
+    for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
+        ids = torch.tensor(s.token_ids, device=device)
+        positions = torch.arange(len(s.token_ids), device=device)
+        hidden = model(ids, positions, dense_causal_attention, feature_layers)  # [T, F]
+        greedy = model.compute_logits(hidden[:, :model.config.hidden_size]).argmax(dim=-1)  # [T]
+        yield s, hidden.float().cpu(), greedy.cpu()
 
 
 def _autocast(module: nn.Module):
@@ -189,15 +200,15 @@ class MedusaData:
 
 
 def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = True) -> MedusaData:
-    """Features and labels of every answer position of every sample."""
-    from tqdm import tqdm
+    """Features and labels of every answer position of every sample. The labels are the
+    written tokens: head k's token comes after k tokens the corpus may have sampled."""
     features, labels = [], []
     offsets = torch.arange(num_heads) + 2  # [K]
-    for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
+    for s, hidden, _ in target_states(model, samples, progress=progress):
         positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
         if not len(positions):
             continue
-        features.append(target_hidden_states(model, s.token_ids)[positions])
+        features.append(hidden[positions])
         tokens = torch.tensor(s.token_ids + [IGNORE] * (num_heads + 2))
         labels.append(tokens[positions[:, None] + offsets[None, :]])  # [n, K]
     return MedusaData(torch.cat(features), torch.cat(labels))
@@ -294,19 +305,19 @@ def train_medusa(heads, train: MedusaData, val: MedusaData, steps: int, lr: floa
 @dataclass(slots=True)
 class EagleSample:
     token_ids: torch.Tensor  # [T]
-    features: torch.Tensor  # [T, F] the target's features the head reads (head.target_features)
+    features: torch.Tensor  # [T, F] bfloat16: the target's features the head reads (head.target_features)
+    greedy: torch.Tensor  # [T] the target's greedy token after each position
     answer_start: int  # first position p whose token p + 2 the target wrote
 
 
 def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> list[EagleSample]:
-    from tqdm import tqdm
+    """The samples with the target's features (kept in bfloat16, which the head's bf16
+    autocast reads anyway: half the memory of a large corpus) and greedy tokens."""
     out = []
-    for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
-        if len(s.token_ids) < 3:
-            continue
-        hidden = target_hidden_states(model, s.token_ids, head.feature_layers)  # [T, H']
-        out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).contiguous(),
-                               max(s.num_prompt_tokens - 2, 0)))
+    samples = [s for s in samples if len(s.token_ids) >= 3]
+    for s, hidden, greedy in target_states(model, samples, head.feature_layers, progress=progress):
+        out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).to(torch.bfloat16).contiguous(),
+                               greedy, max(s.num_prompt_tokens - 2, 0)))
     return out
 
 
@@ -373,14 +384,15 @@ def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float |
     """(loss, depth-1 top-1 hits, positions).
 
     Input p = 0..T-2 is (f_p, token p + 1); its draft distribution is scored against the
-    token the target wrote at p + 2 (cross-entropy over the draft vocabulary; answer
+    target's greedy token at p + 2 (cross-entropy over the draft vocabulary; answer
     positions only, tokens outside the draft vocabulary skipped), and an EAGLE-1 head's
     output also against f_{p+1} (smooth L1; the cross-entropy weighted ce_weight, default
     0.1, else 1). With unroll > 1 the head then drafts on from its own outputs, as it does
     when serving (training-time test, unrolled_predictions): step k is scored against the
     same targets where p >= k, with weight decay^k. Hits count step 0 only."""
     device = head.fc.weight.device
-    tokens, feats = sample.token_ids.to(device), sample.features.to(device)
+    tokens, feats = sample.token_ids.to(device), sample.features.to(device, torch.float32)
+    greedy = sample.greedy.to(device)
     if ce_weight is None:
         ce_weight = 0.1 if head.regresses_features else 1.0
     t = len(tokens)
@@ -396,12 +408,13 @@ def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float |
             loss = nn.functional.smooth_l1_loss(predicted[step:].float(), feats[1 + step:])
         first = max(start, step)
         logits = head.draft_logits(predicted[first:t - 2])  # [n, Vd] token p + 2
-        labels = head.draft_ids(tokens[first + 2:])  # [n], IGNORE outside the draft vocabulary
+        targets = greedy[first + 1:t - 1]  # [n] the target's token p + 2
+        labels = head.draft_ids(targets)  # [n], IGNORE outside the draft vocabulary
         if (labels != IGNORE).any():
             loss = loss + ce_weight * nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
         total = total + decay ** step * loss
         if step == 0:
-            hits = int((head.target_ids(logits.argmax(dim=-1)) == tokens[first + 2:]).sum())
+            hits = int((head.target_ids(logits.argmax(dim=-1)) == targets).sum())
     if not torch.is_tensor(total):  # nothing to score: a zero that still backpropagates
         total = predicted.sum() * 0.0
     return total, hits, max(t - 2 - start, 0)

@@ -1,8 +1,9 @@
 """EAGLE-3 (speculators/eagle_heads.py, the target's feature layers, training) against
 references nobody here wrote.
 
-- The target's feature layers: what DecoderModel returns equals HF transformers'
-  output_hidden_states[j] (what the engine delivers to a proposer: test_eagle.py).
+- The target's feature layers and greedy tokens: what training records equals HF
+  transformers' output_hidden_states[j] and the argmax of its logits (what the engine
+  delivers to a proposer: test_eagle.py).
 - The head: a checkpoint in the public EAGLE-3 layout (midlayer.*, fc, norm, lm_head,
   d2t, t2d, config.json) loads, and the head's states and draft logits equal the
   published architecture assembled here from HF transformers' own Llama modules
@@ -25,8 +26,8 @@ from safetensors.torch import save_file
 from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
-from speculators.training import (Sample, dense_causal_attention, draft_vocabulary, eagle_data,
-                                  target_hidden_states, train_eagle)
+from speculators.training import (Sample, dense_causal_attention, draft_vocabulary, eagle_data, target_states,
+                                  train_eagle)
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -183,12 +184,15 @@ def test_draft_vocabulary_is_the_most_written_answer_tokens():
 # ---- the default model, through the engine -----------------------------------------------------------
 
 @torch.no_grad()
-def test_feature_layers_equal_hf_hidden_states(engine_f32, hf_smollm):
-    ids = engine_f32.tokenize(PROMPTS[0])
-    ours = target_hidden_states(engine_f32.model, ids, SMOLLM_LAYERS)  # [T, 4H]
-    hf = hf_smollm(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    reference = torch.cat([hf[-1][0]] + [hf[j][0] for j in SMOLLM_LAYERS], dim=-1)
-    torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
+def test_feature_layers_and_greedy_tokens_equal_hf(engine_f32, hf_smollm):
+    samples = [Sample(engine_f32.tokenize(p), 0) for p in PROMPTS[:3]]
+    states = list(target_states(engine_f32.model, samples, SMOLLM_LAYERS, progress=False))
+    assert [s for s, _, _ in states] == samples
+    for s, ours, greedy in states:  # [T, 4H], [T]
+        out = hf_smollm(torch.tensor([s.token_ids]), output_hidden_states=True)
+        reference = torch.cat([out.hidden_states[-1][0]] + [out.hidden_states[j][0] for j in SMOLLM_LAYERS], dim=-1)
+        torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
+        assert greedy.tolist() == out.logits[0].argmax(dim=-1).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -238,3 +238,28 @@ def test_medusa_needs_heads(engine_f32):
     with pytest.raises(ValueError, match="medusa-heads"):
         engine_f32.add_request("hi", SamplingParams(speculator="medusa"))
     assert not engine_f32.has_unfinished
+
+
+def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, plain_outputs, tmp_path):
+    """scripts/train_medusa.py --init-heads trains the checkpoint's heads (3 of them, not
+    the default 4): with a learning rate of 0 it writes them back unchanged."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_medusa
+    from speculators.training import save_corpus
+    samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
+               for p, out in zip(PROMPTS, plain_outputs)]
+    save_corpus(samples, tmp_path / "corpus.jsonl", "smollm2-135m")
+    out = tmp_path / "resumed"
+    assert train_medusa.main(["--out", str(out), "--corpus", str(tmp_path / "corpus.jsonl"), "--init-heads",
+                              str(trained_heads), "--steps", "2", "--lr", "0", "--device", "cpu",
+                              "--dtype", "float32", "--val-fraction", "0.25"]) == 0
+    lm_head = engine_f32.model.lm_head
+    cfg = engine_f32.model.config
+    before = load_heads(trained_heads, cfg.hidden_size, cfg.vocab_size, lm_head)
+    after = load_heads(out, cfg.hidden_size, cfg.vocab_size, lm_head)
+    assert after.num_heads == 3
+    for (name, a), b in zip(after.state_dict().items(), before.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert json.loads((out / "config.json").read_text())["training"]["init_heads"] == str(trained_heads)
