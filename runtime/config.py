@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.models.loader import DEFAULT_MODEL
-from runtime.sampling_params import SPECULATORS, check_speculator
+from runtime.sampling_params import SPECULATORS, check_speculator, speculator_parts
 
 # Draft nodes per step when --num-speculative-tokens is not given, and tree width when
 # --speculative-tree-width is not (lookahead: extra nodes cost little to verify, and on the
@@ -85,14 +85,15 @@ class EngineConfig:
                              f"and {self.prompt_lookup_max}")
         if self.lookahead_global_nodes < 0:
             raise ValueError(f"lookahead_global_nodes must be >= 0, got {self.lookahead_global_nodes}")
-        if self.speculator == "draft" and not self.draft_model:
+        parts = speculator_parts(self.speculator)
+        if "draft" in parts and not self.draft_model:
             raise ValueError("speculator 'draft' needs a draft model: --draft-model PATH (or draft_model=...)")
-        if self.speculator == "eagle" and not self.eagle_head:
+        if "eagle" in parts and not self.eagle_head:
             raise ValueError("speculator 'eagle' needs a trained head: --eagle-head DIR (or eagle_head=...; "
                              "scripts/train_eagle.py trains one)")
         if self.eagle_depth < 1:
             raise ValueError(f"eagle_depth must be >= 1, got {self.eagle_depth}")
-        if self.speculator == "medusa" and not self.medusa_heads:
+        if "medusa" in parts and not self.medusa_heads:
             raise ValueError("speculator 'medusa' needs trained heads: --medusa-heads DIR (or medusa_heads=...; "
                              "scripts/train_medusa.py trains them)")
         if self.draft_device not in DRAFT_DEVICES and not self.draft_device.startswith("cuda:"):
@@ -150,15 +151,26 @@ class EngineConfig:
             return 0
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return DEFAULT_SPECULATIVE_TOKENS.get(speculator, 4)
+        return sum(DEFAULT_SPECULATIVE_TOKENS.get(part, 4) for part in speculator_parts(speculator))
 
     def tree_width(self, speculator: str) -> int:
+        """The most children per node; of a combined speculator, its first part's (each
+        part drafts with its own: speculators.composite)."""
         if self.speculative_tree_width is not None:
             return self.speculative_tree_width
-        return DEFAULT_TREE_WIDTH.get(speculator, 1)
+        return DEFAULT_TREE_WIDTH.get(speculator_parts(speculator)[0], 1)
 
     def kv_cache_default_fraction(self, device: torch.device) -> float:
         return 0.8 if device.type == "cuda" else 0.1
+
+
+def _speculator_arg(name: str) -> str:
+    import argparse
+    try:
+        check_speculator(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def add_engine_args(parser) -> None:
@@ -172,9 +184,10 @@ def add_engine_args(parser) -> None:
                         help="do not capture CUDA graphs for decode and verify steps (they are used on CUDA with "
                              "the triton attention backend)")
     g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculator", choices=SPECULATORS,
+    g.add_argument("--speculator", type=_speculator_arg, metavar="{" + ",".join(SPECULATORS) + "}[+...]",
                    help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model, medusa "
-                        "--medusa-heads, eagle --eagle-head)")
+                        "--medusa-heads, eagle --eagle-head); several joined by '+' draft together, their trees "
+                        "merged, e.g. eagle+lookahead")
     g.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens (tree nodes) verified per sequence per step; default: "
                         + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()))

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 
 from runtime.engine import RequestOutput
 from runtime.logprobs import TokenLogprobs
-from runtime.sampling_params import MAX_LOGPROBS, SPECULATORS, SamplingParams
+from runtime.sampling_params import MAX_LOGPROBS, SPECULATORS, SamplingParams, check_speculator
 
 MAX_N = 16  # choices per request
 
@@ -158,9 +158,11 @@ class GenerationRequest(BaseModel):
             return None, None
         if options == "off":
             return "none", None
-        if options.method not in SPECULATORS:
-            raise ApiError(f"speculation.method must be one of {', '.join(SPECULATORS)}, got {options.method!r}",
-                           "speculation")
+        try:
+            check_speculator(options.method)
+        except ValueError:
+            raise ApiError(f"speculation.method must be one of {', '.join(SPECULATORS)} or several of them joined by "
+                           f"'+' (e.g. eagle+lookahead), got {options.method!r}", "speculation") from None
         tokens = options.num_speculative_tokens
         if tokens is not None and not 0 <= tokens <= 64:
             raise ApiError(f"speculation.num_speculative_tokens must be from 0 to 64, got {tokens}", "speculation")

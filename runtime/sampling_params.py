@@ -3,14 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Proposer names (speculators/); "none" is plain decoding.
+# Proposer names (speculators/); "none" is plain decoding. Several joined by "+" (e.g.
+# "eagle+lookahead") draft together, their trees merged (speculators/composite.py).
 SPECULATORS = ("none", "ngram", "lookahead", "draft", "eagle", "medusa")
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 
 
+def speculator_parts(name: str) -> list[str]:
+    """The proposers a speculator name stands for: "eagle+lookahead" -> ["eagle", "lookahead"]."""
+    return name.split("+")
+
+
 def check_speculator(name: str) -> None:
-    if name not in SPECULATORS:
-        raise ValueError(f"unknown speculator {name!r}; choose one of {', '.join(SPECULATORS)}")
+    parts = speculator_parts(name)
+    if len(parts) == 1 and name in SPECULATORS:
+        return
+    if len(parts) > 1 and len(set(parts)) == len(parts) and all(p in SPECULATORS and p != "none" for p in parts):
+        return
+    raise ValueError(f"unknown speculator {name!r}; choose one of {', '.join(SPECULATORS)}, or several distinct "
+                     f"ones but none joined by '+' (e.g. eagle+lookahead)")
 
 
 @dataclass(slots=True)

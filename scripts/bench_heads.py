@@ -12,6 +12,8 @@ interleaved rounds after a warm-up, the median round shown:
   - ours EAGLE (chain):  the EAGLE head, tree width 1;
   - ours EAGLE-2 (tree): the EAGLE head, dynamic trees of --eagle-width;
   - ours EAGLE-3 chain / tree: the EAGLE-3 head (--eagle3-head), the same two ways;
+  - ours EAGLE-3 tree + lookahead: `eagle+lookahead`, the head's tree (top-4) and the
+                         Lookahead Cache's (width 3) merged, 16 + 8 nodes;
   - ours lookahead:      the lookahead proposer (tree width 3);
 with the heads on each of --head-devices (cpu, and cuda on a GPU box). Mean acceptance
 length is tokens per verify step (accepted drafts + the target's own token), in the timed
@@ -96,7 +98,9 @@ def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None
         if args.eagle3_head != "none":
             rows += [(System(f"eagle3-chain-{device}", "ours EAGLE-3 chain" + where, "eagle", 1), device),
                      (System(f"eagle3-tree-{device}", f"ours EAGLE-3 tree (top-{args.eagle_width})" + where,
-                             "eagle", args.eagle_width), device)]
+                             "eagle", args.eagle_width), device),
+                     (System(f"eagle3-lookahead-{device}", "ours EAGLE-3 tree + lookahead" + where,
+                             "eagle+lookahead", None), device)]
     rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
     return rows
 
@@ -163,6 +167,7 @@ def main(argv=None) -> None:
     print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
           f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), then "
           f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE, "
+          f"{DEFAULT_SPECULATIVE_TOKENS['eagle'] + DEFAULT_SPECULATIVE_TOKENS['lookahead']} with lookahead, "
           f"{DEFAULT_SPECULATIVE_TOKENS['medusa']} for Medusa, every step)\n")
     plain, hf_rate = measures["plain"].rate, measures["hf"].rate
     rows = []
@@ -184,6 +189,10 @@ def main(argv=None) -> None:
     if tree3 is not None:
         print(f"EAGLE-3 head, EAGLE-2 trees: acceptance length {tree3.acceptance_length or 0:.2f}, fixed "
               f"{fixed[f'eagle3-tree-{where}'] or 0:.2f}, {rates[f'eagle3-tree-{where}'] / plain:.2f}x our plain")
+        both = measures[f"eagle3-lookahead-{where}"]
+        print(f"EAGLE-3 trees + lookahead: acceptance length {both.acceptance_length or 0:.2f}, fixed "
+              f"{fixed[f'eagle3-lookahead-{where}'] or 0:.2f}, {rates[f'eagle3-lookahead-{where}'] / plain:.2f}x our "
+              f"plain")
 
 
 if __name__ == "__main__":

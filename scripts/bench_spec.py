@@ -122,7 +122,7 @@ class System:
     key: str
     label: str
     speculator: str | None = None  # engine rows; None for HF rows
-    tree_width: int = 1
+    tree_width: int | None = 1  # None: each speculator's default (a combined one's parts their own)
     hf_lookup: int = 0  # HF prompt_lookup_num_tokens; 0 = plain
     # per-system engine state swapped in before it runs
     proposers: dict = field(default_factory=dict)

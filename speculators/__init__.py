@@ -1,7 +1,8 @@
 """Proposers behind one interface (speculators.base): prompt lookup (`ngram`), the
 Lookahead Cache (`lookahead`), a draft model (`draft`, run by draft_cpu's worker), Medusa
 heads on the target's hidden state (`medusa`), and an EAGLE head drafting EAGLE-2 trees
-from the target's features (`eagle`). Medusa and EAGLE heads are trained by
+from the target's features (`eagle`); several at once, their trees merged
+(`eagle+lookahead`, speculators/composite.py). Medusa and EAGLE heads are trained by
 self-distillation (speculators/training.py).
 
 `build_proposer(name, config, target)` makes one from the engine's settings
@@ -13,6 +14,14 @@ from speculators.base import ProposalRequest, Proposer, TargetInfo
 from speculators.tree import DraftTree
 
 def build_proposer(name: str, config, target: TargetInfo) -> Proposer:
+    from runtime.sampling_params import speculator_parts
+    parts = speculator_parts(name)
+    if len(parts) > 1:  # e.g. eagle+lookahead: one tree from several proposers
+        from runtime.config import DEFAULT_SPECULATIVE_TOKENS
+        from speculators.composite import CompositeProposer
+        return CompositeProposer([build_proposer(part, config, target) for part in parts],
+                                 [DEFAULT_SPECULATIVE_TOKENS.get(part, 4) for part in parts],
+                                 [config.tree_width(part) for part in parts])
     if name == "ngram":
         from speculators.ngram import NGramProposer
         return NGramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

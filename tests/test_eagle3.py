@@ -12,7 +12,8 @@ references nobody here wrote.
 - Training: the draft vocabulary is the most written tokens (the unrolled steps of either
   head against step-by-step drafting: test_eagle.py).
 - Through the engine, float32, batched: a random and a briefly trained EAGLE-3 head give
-  the output of `--speculator none`, the trained one landing drafts; blocks all return.
+  the output of `--speculator none`, the trained one landing drafts, alone and merged
+  with the Lookahead Cache's trees (`eagle+lookahead`); blocks all return.
 """
 from __future__ import annotations
 
@@ -247,6 +248,22 @@ def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine,
     assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
     proposer = engine.proposers["eagle"]
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def test_eagle3_with_lookahead_is_greedy_lossless(eagle_engine, trained_eagle3_dir, generate, plain_outputs):
+    """`eagle+lookahead`: the head's tree and the Lookahead Cache's merged into one verify
+    tree (speculators/composite.py), the head fed through the composite; outputs equal
+    plain decoding, and both parts' nodes are verified (the budget 12 splits 8 : 4)."""
+    engine = eagle_engine(trained_eagle3_dir, adaptive=False, num_tokens=12, width=4)
+    sizes = []
+    composite = engine._proposer("eagle+lookahead")
+    propose = composite.propose
+    composite.propose = lambda requests: [sizes.append(len(t)) or t for t in propose(requests)]
+    assert generate(engine, PROMPTS, greedy(speculator="eagle+lookahead")) == plain_outputs
+    assert max(sizes) > 8  # beyond the head's 8 nodes: the cache added some of its own
+    head = composite.parts[0]
+    assert head.block_manager.num_free_blocks == head.block_manager.num_blocks
+    assert engine.runner.feature_layers == SMOLLM_LAYERS
 
 
 @pytest.mark.parametrize("backend,quantization", [("torch", "int8"), ("ipex", "none")])

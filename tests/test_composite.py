@@ -1,0 +1,175 @@
+"""Several proposers in one verify tree (speculators/composite.py, `--speculator a+b`).
+
+- The merge is a trie union: a brute-force comparison of root-to-node paths, shared
+  prefixes once, the first tree's nodes first, parents before children.
+- The budget split, the features-reading part always asked, the merged tree cut to the
+  budget.
+- Names: distinct known parts only, through EngineConfig, the CLI and the API's
+  `speculation.method`.
+- Greedy lossless on the default model, float32, batched: `ngram+lookahead` gives the
+  output of `--speculator none` and verifies nodes from both parts (`eagle+lookahead`
+  with a trained head: test_eagle3.py).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from runtime.config import EngineConfig, add_engine_args
+from runtime.sampling_params import SamplingParams, check_speculator
+from speculators.base import ProposalRequest, Proposer
+from speculators.composite import CompositeProposer, merge_trees, split_budget
+from speculators.tree import DraftTree
+
+PROMPTS = [
+    "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "The capital of France is",
+]
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of a tree."""
+    out = []
+    for i in range(len(tree)):
+        path, node = [], i
+        while node >= 0:
+            path.append(tree.token_ids[node])
+            node = tree.parents[node]
+        out.append(tuple(reversed(path)))
+    return set(out)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int = 3) -> DraftTree:
+    tokens, parents, seen = [], [], set()
+    while len(tokens) < n:
+        parent = rng.randrange(-1, len(tokens))
+        token = rng.randrange(vocab)
+        if (parent, token) not in seen:  # a proposer never repeats a child
+            seen.add((parent, token))
+            tokens.append(token)
+            parents.append(parent)
+    return DraftTree(tokens, parents)
+
+
+def test_merge_is_the_union_of_paths_first_tree_first():
+    rng = random.Random(0)
+    for _ in range(200):
+        trees = [random_tree(rng, rng.randrange(0, 9)) for _ in range(rng.randrange(1, 4))]
+        merged = merge_trees(trees)  # DraftTree checks parents come first
+        union = set().union(*(paths(t) for t in trees))
+        assert paths(merged) == union
+        assert len(merged) == len(union)  # each path once
+        first = trees[0]
+        assert merged.token_ids[:len(first)] == first.token_ids and merged.parents[:len(first)] == first.parents
+
+
+def test_merge_by_hand():
+    eagle = DraftTree([5, 6, 7], [-1, 0, -1])  # 5 -> 6, and 7
+    lookahead = DraftTree.chain([5, 6, 8, 9])  # shares 5 -> 6, then 8 -> 9
+    merged = merge_trees([eagle, lookahead])
+    assert merged.token_ids == [5, 6, 7, 8, 9]
+    assert merged.parents == [-1, 0, -1, 1, 3]
+
+
+def test_budget_split():
+    assert split_budget(24, [16, 8]) == [16, 8]
+    assert split_budget(10, [16, 8]) == [7, 3]
+    assert split_budget(1, [16, 8]) == [1, 0]
+    assert split_budget(7, [1, 1, 1]) == [3, 2, 2]
+
+
+class Recorder(Proposer):
+    """Proposes a chain of its own tokens, max_nodes long, and records what it was asked."""
+
+    def __init__(self, name, base_token, needs_features=False):
+        self.name, self.base_token, self.needs_features = name, base_token, needs_features
+        self.asked: list[tuple[int, int]] = []  # (max_nodes, tree_width)
+        self.accepted, self.released = [], []
+
+    def propose(self, requests):
+        self.asked += [(r.max_nodes, r.tree_width) for r in requests]
+        return [DraftTree.chain([self.base_token + i for i in range(r.max_nodes)]) for r in requests]
+
+    def on_accepted(self, request_id, token_ids, num_accepted):
+        self.accepted.append((request_id, num_accepted))
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+def request(max_nodes: int) -> ProposalRequest:
+    return ProposalRequest("r", [1, 2, 3], 2, max_nodes, 4, SamplingParams())
+
+
+def test_composite_splits_the_budget_and_forwards_bookkeeping():
+    head, cache = Recorder("eagle", 100, needs_features=True), Recorder("lookahead", 200)
+    composite = CompositeProposer([cache, head], [8, 16], [3, 4])  # the features reader second
+    assert composite.name == "lookahead+eagle" and composite.needs_features
+    trees = composite.propose([request(24), request(2)])
+    assert cache.asked == [(8, 3), (1, 3)] and head.asked == [(16, 4), (1, 4)]  # 2 nodes: 1 + 1
+    assert trees[0].token_ids == list(range(200, 208)) + list(range(100, 116))
+    assert trees[1].token_ids == [200, 100]
+    trees = composite.propose([request(1)])  # the reader still asked: the cut keeps the first part
+    assert head.asked[-1] == (1, 4) and trees[0].token_ids == [200]
+    composite.on_accepted("r", [1, 2, 3, 200], 1)
+    composite.release("r")
+    assert cache.accepted == head.accepted == [("r", 1)] and cache.released == head.released == ["r"]
+
+
+@pytest.mark.parametrize("name", ["eagle+lookahead", "ngram+lookahead", "medusa+ngram+lookahead"])
+def test_combined_names_are_accepted(name):
+    check_speculator(name)
+    assert SamplingParams(speculator=name).speculator == name
+
+
+@pytest.mark.parametrize("name", ["eagle+eagle", "none+lookahead", "eagle+", "eagle+foo", "EAGLE"])
+def test_bad_combined_names_fail_clearly(name):
+    with pytest.raises(ValueError, match="unknown speculator"):
+        check_speculator(name)
+    with pytest.raises(ValueError):
+        SamplingParams(speculator=name)
+
+
+def test_config_and_cli_know_combined_speculators():
+    with pytest.raises(ValueError, match="needs a trained head"):
+        EngineConfig(speculator="eagle+lookahead")
+    config = EngineConfig(speculator="ngram+lookahead")
+    assert config.speculative_tokens("ngram+lookahead") == 4 + 8  # the parts' defaults
+    assert config.tree_width("lookahead+ngram") == 3  # the first part's
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--speculator", "eagle+lookahead"]).speculator == "eagle+lookahead"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculator", "lookahead+lookahead"])
+
+
+def test_api_rejects_a_bad_combination():
+    from runtime.openai_protocol import ApiError, CompletionRequest
+    body = CompletionRequest.model_validate({"prompt": "hi", "speculation": {"method": "eagle+eagle"}})
+    with pytest.raises(ApiError, match="speculation.method"):
+        body.sampling_params(1, 100)
+    good = CompletionRequest.model_validate({"prompt": "hi", "speculation": {"method": "ngram+lookahead"}})
+    assert good.sampling_params(1, 100)[0].speculator == "ngram+lookahead"
+
+
+def test_ngram_plus_lookahead_is_greedy_lossless(engine_f32, generate):
+    engine = engine_f32
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, speculator=s)
+              for s in ("none", "ngram+lookahead")]
+    plain = generate(engine, PROMPTS, params[0])
+    saved = engine.spec_controller.adaptive
+    engine.spec_controller.adaptive = False
+    try:
+        drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
+        assert generate(engine, PROMPTS, params[1]) == plain
+        assert engine.stats.num_accepted_tokens > accepted and engine.stats.num_draft_tokens > drafted
+        composite = engine.proposers["ngram+lookahead"]
+        assert [p.name for p in composite.parts] == ["ngram", "lookahead"]
+    finally:
+        engine.spec_controller.adaptive = saved
+        engine.proposers.pop("ngram+lookahead", None)
+        engine.spec_controller.requests.clear()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
