@@ -156,11 +156,13 @@ def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 @torch.no_grad()  # not inference_mode: the states are training inputs and targets
-def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] = (), progress: bool = True):
-    """For each sample in order, (sample, hidden, greedy): the target's final hidden states
-    (after the last norm) at every position, [T, H] float32, with feature_layers [T, (1 + k) H]:
-    then the inputs of those layers (DecoderModel.forward); and its greedy next token after
-    every position ([T], the argmax of its logits). One forward per sample: packing several
+def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] = (), greedy: bool = True,
+                  progress: bool = True):
+    """For each sample in order, (sample, hidden, greedy tokens): the target's final hidden
+    states (after the last norm) at every position, [T, H] float32, with feature_layers
+    [T, (1 + k) H]: then the inputs of those layers (DecoderModel.forward); and, with greedy,
+    its greedy next token after every position ([T], the argmax of its logits; else None:
+    the LM head is about a fifth of the forward). One forward per sample: packing several
     into one forward under a block-diagonal mask was slower on the CPU (0.27 s a sample
     alone, 0.32 in packs of 512 tokens, 1.1 in packs of 2048: a masked attention takes
     scaled_dot_product_attention's unfused path)."""
@@ -170,8 +172,8 @@ def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] 
         ids = torch.tensor(s.token_ids, device=device)
         positions = torch.arange(len(s.token_ids), device=device)
         hidden = model(ids, positions, dense_causal_attention, feature_layers)  # [T, F]
-        greedy = model.compute_logits(hidden[:, :model.config.hidden_size]).argmax(dim=-1)  # [T]
-        yield s, hidden.float().cpu(), greedy.cpu()
+        tokens = model.compute_logits(hidden[:, :model.config.hidden_size]).argmax(dim=-1).cpu() if greedy else None
+        yield s, hidden.float().cpu(), tokens  # [T, F], [T]
 
 
 def _autocast(module: nn.Module):
@@ -204,7 +206,7 @@ def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = T
     written tokens: head k's token comes after k tokens the corpus may have sampled."""
     features, labels = [], []
     offsets = torch.arange(num_heads) + 2  # [K]
-    for s, hidden, _ in target_states(model, samples, progress=progress):
+    for s, hidden, _ in target_states(model, samples, greedy=False, progress=progress):
         positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
         if not len(positions):
             continue
