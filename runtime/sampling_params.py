@@ -21,7 +21,7 @@ def check_speculator(name: str) -> None:
     if len(parts) > 1 and len(set(parts)) == len(parts) and all(p in SPECULATORS and p != "none" for p in parts):
         return
     raise ValueError(f"unknown speculator {name!r}; choose one of {', '.join(SPECULATORS)}, or several distinct "
-                     f"ones but none joined by '+' (e.g. eagle+lookahead)")
+                     f"ones other than none joined by '+' (e.g. eagle+lookahead)")
 
 
 @dataclass(slots=True)
