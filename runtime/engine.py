@@ -519,6 +519,7 @@ class LLMEngine:
         num_accepted = len(verdict.accepted_nodes)
         seq.metrics.record_verification(len(tree), num_accepted)
         self.spec_controller.observe_verdict(seq.request_id, num_accepted, verdict.kind == "recovered")
+        self.spec_controller.observe_tree(seq.request_id, tree.depths, verdict.accepted_nodes)
         stats = self.stats
         stats.num_draft_tokens += len(tree)
         stats.num_accepted_tokens += num_accepted

@@ -2,8 +2,12 @@
 measured cost.
 
 Two things are measured as the engine runs:
-  - per request, the conditional acceptance rate a (the chance that a draft token is
-    accepted given that its parent was), an exponential moving average over verdicts;
+  - per request, how much each draft node is worth: `hits[j]`, the chance that the j-th
+    node of its tree lies on the accepted path, and how deep the tree is once it holds
+    nodes 0..j (exponential moving averages over the verify steps that had a j-th node),
+    and the conditional acceptance rate a (the chance that a draft token is accepted
+    given that its parent was), used past the nodes measured; a new request starts from
+    the curves of all requests so far;
   - the step time as a + b * tokens (StepCostModel), fitted online on steps without
     prefill, forgetting old steps, so b is the marginal cost of one more verified token
     in the current regime (nearly free when memory-bound, a full token's compute when
@@ -15,27 +19,32 @@ Two things are measured as the engine runs:
 A third measure is the proposers' own drafting time (a draft model runs one forward per
 depth, for all its sequences at once; n-gram lookups cost about nothing), fitted like
 the steps: one draft forward takes a + b * sequences in it. A step's predicted time is
-verifying all its tokens plus drafting: a per depth to the deepest budget, and b per
-sequence per depth (the sum of the budgets), so drafts shrink when a large batch makes
-the draft's forwards dear.
+verifying all its tokens plus drafting: a per depth to the deepest tree, and b per
+sequence per depth (the sum of the trees' depths; a chain of n tokens is n deep, a tree
+of n nodes far less), so drafts shrink when a large batch makes the draft's forwards
+dear.
 
-A sequence's j-th draft token (a chain, or the j-th node of a tree) adds a^j expected
-tokens. All draft tokens of the step are ordered by that gain, and the step takes the
-prefix of that order that maximises expected tokens per predicted second (none at all
-when plain decoding is faster). So drafts are long when acceptance is high and
-verification is cheap, shrink as the batch grows, and stop for a sequence whose drafts
-keep missing. A sequence left without drafts for `probe_interval` steps (for either
-reason) gets a probe, a full-size draft: without probes a stale estimate (of its
-acceptance, or of the cost of drafted steps, measured in a noisy moment) could switch
-speculation off for good, and a full-size probe measures both where the engine would
-operate. Probes are spaced so that they cost at most `probe_budget` of the time (one
-sequence per probe, and with a draft model a probe's draft forwards count), and at most
-8 x probe_interval steps apart, so when speculation does not pay, probing costs a few
-percent.
+A sequence's j-th draft node adds hits[j] expected tokens. Proposers order their nodes
+so that the first n of them are the tree they would draft for a budget of n (a chain's
+first n tokens; an EAGLE-2 tree's n likeliest nodes), so hits[j] is what the j-th node
+of the budget is worth, whatever the tree's shape: a chain's curve falls as a^j, a wide
+tree's far slower (its 10th node is a sibling as likely as the 3rd), which a chain
+model would undervalue. The measured curve is fitted non-increasing (isotonic
+regression), and past the measured nodes it goes on falling by a per node. All draft
+nodes of the step are ordered by that gain, and the step takes the prefix of that order
+that maximises expected tokens per predicted second (none at all when plain decoding is
+faster). So drafts are long when acceptance is high and verification is cheap, shrink
+as the batch grows, and stop for a sequence whose drafts keep missing. A sequence left
+without drafts for `probe_interval` steps (for either reason) gets a probe, a full-size
+draft: without probes a stale estimate (of its acceptance, or of the cost of drafted
+steps, measured in a noisy moment) could switch speculation off for good, and a
+full-size probe measures both where the engine would operate. Probes are spaced so that they
+cost at most `probe_budget` of the time (one sequence per probe, and with a draft model
+a probe's draft forwards count), and at most 8 x probe_interval steps apart, so when
+speculation does not pay, probing costs a few percent.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 
@@ -76,16 +85,41 @@ class StepCostModel:
 
 @dataclass(slots=True)
 class _Acceptance:
-    rate: float
+    rate: float  # a draft token's chance of acceptance given its parent's
+    hits: list[float]  # hits[j]: the j-th node's chance of being on the accepted path, where measured
+    depths: list[float]  # depths[j]: the tree's depth once it holds nodes 0..j, where measured
     steps_without_draft: int = 0
+
+
+def _non_increasing(values: list[float]) -> list[float]:
+    """The closest non-increasing sequence in squared error (pool adjacent violators):
+    noisy estimates of a falling curve, without the downward bias of a running minimum."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                          blocks[-1][1] + count]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _smooth(average: list[float], values: list[float], weight: float) -> None:
+    """average[j] moves toward values[j] by weight (average at least as long as values)."""
+    for j, value in enumerate(values):
+        average[j] += weight * (value - average[j])
 
 
 class SpeculationController:
     def __init__(self, adaptive: bool = True, prior_acceptance: float = 0.6, smoothing: float = 0.2,
-                 probe_interval: int = 8, probe_budget: float = 0.05, draft_decay: float = 0.8):
+                 probe_interval: int = 8, probe_budget: float = 0.05, draft_decay: float = 0.8,
+                 node_smoothing: float = 0.1, shared_smoothing: float = 0.02):
         self.adaptive = adaptive
         self.prior_acceptance = prior_acceptance
-        self.smoothing = smoothing
+        self.smoothing = smoothing  # of a request's acceptance rate, per verdict
+        self.node_smoothing = node_smoothing  # of a request's node curve, per verify step
+        self.shared_smoothing = shared_smoothing  # of the curve of all requests
+        self.shared = _Acceptance(prior_acceptance, [], [])  # the curves over all requests: where new ones start
         self.probe_interval = probe_interval
         self.probe_budget = probe_budget
         self.draft_decay = draft_decay
@@ -100,57 +134,76 @@ class SpeculationController:
         state = self.requests.get(request_id)
         return self.prior_acceptance if state is None else state.rate
 
+    def _state(self, request_id: str) -> _Acceptance:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = _Acceptance(self.prior_acceptance, list(self.shared.hits),
+                                                            list(self.shared.depths))
+        return state
+
+    def node_plan(self, request_id: str, cap: int) -> list[tuple[float, float]]:
+        """For each of the sequence's first `cap` draft nodes: (the expected tokens it adds,
+        the tree's depth with it). Gains are non-increasing, depths non-decreasing."""
+        state = self.requests.get(request_id) or self.shared  # (whose rate is the prior)
+        measured = _non_increasing(state.hits[:cap])
+        plan, gain, depth = [], 1.0, 0.0
+        for j in range(cap):
+            gain = measured[j] if j < len(measured) else gain * state.rate
+            depth = max(depth, state.depths[j]) if j < len(state.depths) else depth + 1.0
+            plan.append((gain, depth))
+        return plan
+
+    def _step_coefficients(self, has_drafts: bool) -> tuple[float, float]:
+        model = self.plain_cost if not has_drafts and self.plain_cost.has_data else self.cost
+        return (model if model.has_data else self.plain_cost).coefficients()
+
+    def _draft_coefficients(self) -> tuple[float, float]:
+        return self.draft_cost.coefficients() if self.draft_cost.has_data else (0.0, 0.0)
+
     def step_seconds(self, num_tokens: int, num_draft_tokens: int) -> float:
         """Predicted time of a step running num_tokens tokens, num_draft_tokens of them drafts."""
-        model = self.plain_cost if num_draft_tokens == 0 and self.plain_cost.has_data else self.cost
-        if not model.has_data:
-            model = self.plain_cost
-        intercept, per_token = model.coefficients()
+        intercept, per_token = self._step_coefficients(num_draft_tokens > 0)
         return intercept + per_token * num_tokens
 
-    def draft_seconds(self, depth: int, sequence_depths: int) -> float:
-        """Predicted time to propose drafts at most `depth` deep whose depths sum to
+    def draft_seconds(self, depth: float, sequence_depths: float) -> float:
+        """Predicted time to propose trees at most `depth` deep whose depths sum to
         sequence_depths (0 when nothing is drafted)."""
-        if depth == 0 or not self.draft_cost.has_data:
-            return 0.0
-        per_forward, per_sequence = self.draft_cost.coefficients()
+        per_forward, per_sequence = self._draft_coefficients()
         return per_forward * depth + per_sequence * sequence_depths
 
     def budgets(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft nodes per sequence this step, each at most its cap."""
         if not self.adaptive or not (self.cost.has_data or self.plain_cost.has_data):
             return list(caps)
-        rates = [self.acceptance(r) for r in request_ids]
-        # every draft token in the order of its gain (a sequence's j-th has gain rate^j)
-        gains: list[tuple[float, int]] = []
-        heap = [(-rate, i) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
-        heapq.heapify(heap)
-        taken = [0] * len(caps)
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            gains.append((-neg_gain, i))
-            taken[i] += 1
-            if taken[i] < caps[i]:
-                heapq.heappush(heap, (neg_gain * rates[i], i))
+        plans = [self.node_plan(request_id, cap) for request_id, cap in zip(request_ids, caps)]
+        # every draft node in the order of its gain (each sequence's gains are non-increasing,
+        # and the sort is stable, so a sequence's nodes stay in order)
+        order = sorted(((gain, i) for i, plan in enumerate(plans) for gain, _ in plan), key=lambda item: -item[0])
         # the best prefix of that order by expected tokens per second
         base = len(caps)  # every sequence emits at least one token
         best_k, best_rate, expected = 0, base / self.step_seconds(base, 0), float(base)
-        depth_of = [0] * len(caps)
-        depth = 0
-        for k, (gain, i) in enumerate(gains, start=1):
+        intercept, per_token = self._step_coefficients(True)
+        per_forward, per_sequence = self._draft_coefficients()
+        taken = [0] * len(caps)
+        depth = sequence_depths = 0.0
+        for k, (gain, i) in enumerate(order, start=1):
             expected += gain
-            depth_of[i] += 1
-            depth = max(depth, depth_of[i])
-            rate = expected / (self.step_seconds(base + k, k) + self.draft_seconds(depth, k))
+            before = plans[i][taken[i] - 1][1] if taken[i] else 0.0
+            after = plans[i][taken[i]][1]
+            taken[i] += 1
+            depth, sequence_depths = max(depth, after), sequence_depths + after - before
+            # step_seconds(base + k, k) + draft_seconds(depth, sequence_depths), inlined
+            seconds = intercept + per_token * (base + k) + per_forward * depth + per_sequence * sequence_depths
+            rate = expected / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         budgets = [0] * len(caps)
-        for _, i in gains[:best_k]:
+        for _, i in order[:best_k]:
             budgets[i] += 1
         self.steps_since_probe += 1
         waiting = []  # sequences due for a probe
         for i, request_id in enumerate(request_ids):
-            state = self.requests.setdefault(request_id, _Acceptance(self.prior_acceptance))
+            state = self._state(request_id)
             if budgets[i] or not caps[i]:
                 continue
             state.steps_without_draft += 1
@@ -180,10 +233,26 @@ class SpeculationController:
 
     def observe_verdict(self, request_id: str, num_accepted: int, rejected: bool) -> None:
         """A verify step accepted num_accepted draft tokens, then (if rejected) missed one."""
-        state = self.requests.setdefault(request_id, _Acceptance(self.prior_acceptance))
+        state = self._state(request_id)
         state.steps_without_draft = 0
         for outcome in [1.0] * num_accepted + ([0.0] if rejected else []):
             state.rate += self.smoothing * (outcome - state.rate)
+
+    def observe_tree(self, request_id: str, node_depths: list[int], accepted_nodes: list[int]) -> None:
+        """The verified tree's nodes had these depths (in the proposer's order, parents
+        first) and the accepted path went through accepted_nodes (indices)."""
+        accepted = set(accepted_nodes)
+        hits = [1.0 if j in accepted else 0.0 for j in range(len(node_depths))]
+        depths, deepest = [], 0
+        for d in node_depths:
+            deepest = max(deepest, d)
+            depths.append(float(deepest))
+        for state, weight in ((self._state(request_id), self.node_smoothing), (self.shared, self.shared_smoothing)):
+            while len(state.hits) < len(hits):  # a node measured for the first time starts at its estimate
+                state.hits.append((state.hits[-1] if state.hits else 1.0) * state.rate)
+            state.depths += depths[len(state.depths):]
+            _smooth(state.hits, hits, weight)
+            _smooth(state.depths, depths, weight)
 
     def observe_step(self, num_tokens: int, seconds: float, has_drafts: bool = True) -> None:
         """A decode step (proposing excluded) ran num_tokens tokens in `seconds`."""

@@ -11,10 +11,13 @@ proportion to their default sizes (`shares`, e.g. 16 : 8 for eagle and lookahead
 first part taking what rounding leaves; a part whose share rounds to 0 is not asked,
 unless it reads the target's features of every committed token (EAGLE): it is asked for
 at least one node every step, or it would lose them (the merged tree is then cut back
-to the budget, the first part's nodes kept first).
-Each part drafts with its own tree width. The trees are merged as tries: the first
-part's nodes first, in its order, then each later part's nodes that the tree does not
-hold yet (same token below the same parent), so shared prefixes are verified once.
+to the budget).
+Each part drafts with its own tree width. The trees are merged as tries (a part's node
+that the tree already holds, the same token below the same parent, is verified once),
+their nodes interleaved in proportion to the parts' sizes, each part's in its own order:
+every proposer puts its likelier nodes first, so the first n merged nodes are about what
+the composite drafts for a budget of n, which is what the speculation controller
+assumes when it measures what each node is worth (runtime.speculation).
 Nodes are verified as one-hot proposals (a part's draft_probs are dropped), which is
 lossless for any way of choosing the tokens; a sampled draft model merely loses the
 extra acceptance its probabilities would give.
@@ -28,20 +31,23 @@ from speculators.tree import DraftTree
 
 
 def merge_trees(trees: list[DraftTree]) -> DraftTree:
-    """The union of trees below one root, as a trie: the first tree's nodes in its order,
-    then each later tree's new nodes in theirs (parents still before children)."""
+    """The union of trees below one root, as a trie. The trees' nodes are interleaved in
+    proportion to the trees' sizes (tree j's k-th node at (k + 1) / len_j, the earlier tree
+    first on ties), each tree's in its own order, so parents still come before children and
+    the first n merged nodes hold about the same share of each tree as the whole does."""
+    picks = sorted(((k + 1) / len(tree), j, k) for j, tree in enumerate(trees) for k in range(len(tree)))
     tokens: list[int] = []
     parents: list[int] = []
     node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> merged node
-    for tree in trees:
-        merged_index: list[int] = []  # this tree's node -> merged node
-        for token, parent in zip(tree.token_ids, tree.parents):
-            key = (-1 if parent < 0 else merged_index[parent], token)
-            if key not in node_of:
-                node_of[key] = len(tokens)
-                tokens.append(token)
-                parents.append(key[0])
-            merged_index.append(node_of[key])
+    merged_index: list[dict[int, int]] = [{} for _ in trees]  # per tree: its node -> merged node
+    for _, j, k in picks:
+        parent = trees[j].parents[k]
+        key = (-1 if parent < 0 else merged_index[j][parent], trees[j].token_ids[k])
+        if key not in node_of:
+            node_of[key] = len(tokens)
+            tokens.append(key[1])
+            parents.append(key[0])
+        merged_index[j][k] = node_of[key]
     return DraftTree(tokens, parents)
 
 

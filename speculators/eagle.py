@@ -20,7 +20,8 @@ Per step and sequence (all sequences batched in each head forward):
      the budget's cut are not expanded (their children score lower still), so a
      confident budget-sized tree stops early;
   3. rerank: of all nodes made, the best `max_nodes` by value form the tree (a child
-     never outvalues its parent, so they do), parents first.
+     never outvalues its parent, so they do), in the order of their value: the first n
+     are the best n-node tree (runtime.speculation reads what each node is worth).
 Nodes are one-hot proposals, so the rejection sampler keeps greedy and sampled requests
 lossless. The head's KV for drafted nodes lives past the committed positions and is
 dropped after each step; committed positions never change, so there is no rollback.
@@ -224,9 +225,9 @@ class EagleProposer(Proposer):
 
 
 def _best_tree(nodes: list[_Node], max_nodes: int) -> DraftTree:
-    """The best max_nodes nodes by value (parents outrank their children), parents first."""
-    order = sorted(range(len(nodes)), key=lambda k: (-nodes[k].value, nodes[k].depth, k))
-    keep = sorted(order[:max_nodes], key=lambda k: (nodes[k].depth, -nodes[k].value, k))
+    """The best max_nodes nodes, in the order of their value: a child never outvalues its
+    parent, so parents come first, and the first n nodes are the best n-node tree."""
+    keep = sorted(range(len(nodes)), key=lambda k: (-nodes[k].value, nodes[k].depth, k))[:max_nodes]
     index = {old: new for new, old in enumerate(keep)}
     return DraftTree([nodes[k].token for k in keep],
                      [-1 if nodes[k].parent < 0 else index[nodes[k].parent] for k in keep])

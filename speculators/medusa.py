@@ -280,14 +280,14 @@ class MedusaProposer(Proposer):
         return trees
 
     def _best_nodes(self, request: ProposalRequest, values: list[float], tokens: list[int]) -> DraftTree:
-        """The request's best max_nodes nodes by path probability (within its tree width),
-        parents before children."""
+        """The request's best max_nodes nodes by path probability (within its tree width), in
+        that order: parents come first, and the first n nodes are the best n-node tree."""
         tree = self.tree
         allowed = [True] * len(tree)
         for i, parent in enumerate(tree.parents):
             allowed[i] = tree.ranks[i] < request.tree_width and (parent < 0 or allowed[parent])
-        order = sorted((i for i in range(len(tree)) if allowed[i]), key=lambda i: (-values[i], tree.depths[i], i))
-        keep = sorted(order[:request.max_nodes], key=lambda i: (tree.depths[i], -values[i], i))
+        keep = sorted((i for i in range(len(tree)) if allowed[i]),
+                      key=lambda i: (-values[i], tree.depths[i], i))[:request.max_nodes]
         new_index = {old: new for new, old in enumerate(keep)}
         return DraftTree([tokens[i] for i in keep],
                          [-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in keep])

@@ -54,7 +54,15 @@ def random_tree(rng: random.Random, n: int, vocab: int = 3) -> DraftTree:
     return DraftTree(tokens, parents)
 
 
-def test_merge_is_the_union_of_paths_first_tree_first():
+def path_of(tree: DraftTree, node: int) -> tuple[int, ...]:
+    path = []
+    while node >= 0:
+        path.append(tree.token_ids[node])
+        node = tree.parents[node]
+    return tuple(reversed(path))
+
+
+def test_merge_is_the_union_of_paths_each_tree_in_order():
     rng = random.Random(0)
     for _ in range(200):
         trees = [random_tree(rng, rng.randrange(0, 9)) for _ in range(rng.randrange(1, 4))]
@@ -62,16 +70,30 @@ def test_merge_is_the_union_of_paths_first_tree_first():
         union = set().union(*(paths(t) for t in trees))
         assert paths(merged) == union
         assert len(merged) == len(union)  # each path once
-        first = trees[0]
-        assert merged.token_ids[:len(first)] == first.token_ids and merged.parents[:len(first)] == first.parents
+        position = {path_of(merged, i): i for i in range(len(merged))}
+        for j, tree in enumerate(trees):  # a tree's own nodes (in no other tree) keep their order
+            others = set().union(set(), *(paths(t) for i, t in enumerate(trees) if i != j))
+            own = [position[path_of(tree, k)] for k in range(len(tree)) if path_of(tree, k) not in others]
+            assert own == sorted(own)
+
+
+def test_merge_interleaves_in_proportion_to_the_sizes():
+    big = DraftTree.chain(list(range(100, 116)))  # 16 nodes
+    small = DraftTree([200, 201, 202, 203, 204, 205, 206, 207], [-1, 0, -1, 2, -1, 4, 5, -1])  # 8 nodes
+    merged = merge_trees([big, small])
+    for n in range(1, 25):  # any prefix holds the trees' nodes about 2 : 1
+        from_big = sum(1 for t in merged.token_ids[:n] if t < 200)
+        assert abs(from_big - n * 2 / 3) < 1, (n, merged.token_ids[:n])
+    assert merged.token_ids[:3] == [100, 101, 200]  # the first tree leads on ties
+    assert merged.truncated(12).token_ids == [100, 101, 200, 102, 103, 201, 104, 105, 202, 106, 107, 203]
 
 
 def test_merge_by_hand():
     eagle = DraftTree([5, 6, 7], [-1, 0, -1])  # 5 -> 6, and 7
     lookahead = DraftTree.chain([5, 6, 8, 9])  # shares 5 -> 6, then 8 -> 9
-    merged = merge_trees([eagle, lookahead])
-    assert merged.token_ids == [5, 6, 7, 8, 9]
-    assert merged.parents == [-1, 0, -1, 1, 3]
+    merged = merge_trees([eagle, lookahead])  # at 1/3, 2/3, 1 and 1/4, 1/2, 3/4, 1
+    assert merged.token_ids == [5, 6, 8, 7, 9]
+    assert merged.parents == [-1, 0, 1, -1, 2]
 
 
 def test_budget_split():
@@ -110,7 +132,7 @@ def test_composite_splits_the_budget_and_forwards_bookkeeping():
     assert composite.name == "lookahead+eagle" and composite.needs_features
     trees = composite.propose([request(24), request(2)])
     assert cache.asked == [(8, 3), (1, 3)] and head.asked == [(16, 4), (1, 4)]  # 2 nodes: 1 + 1
-    assert trees[0].token_ids == list(range(200, 208)) + list(range(100, 116))
+    assert trees[0].token_ids == [t for k in range(8) for t in (100 + 2 * k, 200 + k, 101 + 2 * k)]  # 2 : 1
     assert trees[1].token_ids == [200, 100]
     trees = composite.propose([request(1)])  # the reader still asked: the cut keeps the first part
     assert head.asked[-1] == (1, 4) and trees[0].token_ids == [200]

@@ -12,6 +12,8 @@
   and the pool is whole again once everything finishes.
 - Seeded sampling with one-hot proposers gives the plain run's tokens; per-request
   overrides and bad settings fail clearly.
+- The speculation controller hears, after every verify step, each tree node's depth and
+  which nodes the accepted path went through.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
+from runtime.speculation import SpeculationController
 from speculators.tree import DraftTree
 
 ATOL = 1e-4
@@ -313,4 +316,53 @@ def test_proposers_asking_for_them_get_the_targets_logits_and_hidden_state_at_th
     assert len(seen) > 10
     for token_ids, logits, hidden in seen:
         assert int(logits.argmax()) == token_ids[-1]
-        torch.testing.assert_close(engine.model.compute_logits(hidden[None])[0], logits)
+        torch.testing.assert_close(engine.model.compute_logits(hidden[None])[0], logits, rtol=RTOL, atol=ATOL)
+
+
+def test_the_controller_hears_which_tree_nodes_were_accepted(spec_engine, generate):
+    """An oracle proposer knows the plain greedy output and drafts [a wrong token, the right
+    one, its right successor]: every verify step must report depths [1, 1, 2] and nodes
+    1 and 2 accepted to the speculation controller, whose curve then says so."""
+    from speculators.base import Proposer
+
+    engine = spec_engine
+    [plain] = generate(engine, [PROMPTS[3]], greedy(24))
+    expected = plain
+
+    class Oracle(Proposer):  # stands in for ngram, as a known speculator name
+        name = "ngram"
+
+        def propose(self, requests):
+            trees = []
+            for r in requests:
+                done = len(r.token_ids) - r.num_prompt_tokens  # output tokens so far
+                right, after = expected[done], expected[done + 1]
+                trees.append(DraftTree([(right + 1) % 49152, right, after], [-1, -1, 1]))
+            return trees
+
+    heard = []
+    saved = engine.spec_controller
+    controller = engine.spec_controller = SpeculationController(adaptive=False)
+    observe_tree = controller.observe_tree
+
+    def spy(request_id, node_depths, accepted_nodes):
+        heard.append((list(node_depths), list(accepted_nodes)))
+        observe_tree(request_id, node_depths, accepted_nodes)
+
+    controller.observe_tree = spy
+    engine.proposers["ngram"] = Oracle()
+    engine.config.num_speculative_tokens = 3
+    try:
+        [out] = generate(engine, [PROMPTS[3]], greedy(22, speculator="ngram"))
+    finally:
+        engine.spec_controller = saved
+    assert out == expected[:22]
+    for depths, accepted in heard:  # the last step's tree is cut to what max_tokens leaves
+        assert depths == [1, 1, 2][:len(depths)] and accepted == [1, 2][:len(depths) - 1], heard
+    assert sum(len(depths) == 3 for depths, _ in heard) >= 5
+    # the curve of all requests: from the chain prior (0.6, 0.36, 0.216) toward (0, 1, 1),
+    # node k moved once per step that had it
+    steps = [sum(len(depths) > k for depths, _ in heard) for k in range(3)]
+    keep = [(1 - controller.shared_smoothing) ** n for n in steps]
+    assert controller.shared.hits == pytest.approx([0.6 * keep[0], 1 - 0.64 * keep[1], 1 - 0.784 * keep[2]])
+    assert controller.shared.depths == pytest.approx([1, 1, 2])
