@@ -15,6 +15,8 @@ interleaved rounds after a warm-up, the median round shown:
   - ours EAGLE-3 tree + lookahead: `eagle+lookahead`, the head's tree (top-4) and the
                          Lookahead Cache's (width 3) merged, 16 + 8 nodes;
   - ours lookahead:      the lookahead proposer (tree width 3);
+  (--systems picks rows; --fixed-rows adds each speculating row again, timed with
+  adaptive speculation off)
 with the heads on each of --head-devices (cpu, and cuda on a GPU box). Mean acceptance
 length is tokens per verify step (accepted drafts + the target's own token), in the timed
 rounds (adaptive speculation on: the controller drafts less where drafting does not pay)
@@ -66,21 +68,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                         "the target's device when it is not the CPU)")
     p.add_argument("--eagle-width", type=int, default=4, help="EAGLE-2 top-k per expansion (default: 4)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--systems", default=None,
+                   help="comma-separated rows to run besides HF and ours plain: medusa, eagle (chain and tree), "
+                        "eagle-chain, eagle-tree, eagle3 (its three rows), eagle3-chain, eagle3-tree, "
+                        "eagle3-lookahead, lookahead (default: all); only their heads are trained")
+    p.add_argument("--fixed-rows", action="store_true",
+                   help="also time every speculating row with adaptive speculation off (the whole tree every step)")
     return p.parse_args(argv)
+
+
+def selected(args, key: str) -> bool:
+    """Whether the row with this key (a head row's ends with its device) was asked for."""
+    if key in ("hf", "plain") or not args.systems:
+        return True
+    return any(key == name or key.startswith(name + "-") for name in args.systems.split(","))
 
 
 def ensure_heads(args) -> None:
     common = ["--model", args.model, "--corpus", args.corpus, "--minutes", str(args.train_minutes),
               "--device", args.device]
-    if not Path(args.medusa_heads).exists():
+    if selected(args, "medusa-") and not Path(args.medusa_heads).exists():
         import train_medusa
         print(f"training Medusa heads -> {args.medusa_heads}", file=sys.stderr)
         train_medusa.main(common + ["--out", args.medusa_heads])
     import train_eagle
-    if not Path(args.eagle_head).exists():
+    if (selected(args, "eagle-chain-") or selected(args, "eagle-tree-")) and not Path(args.eagle_head).exists():
         print(f"training the EAGLE head -> {args.eagle_head}", file=sys.stderr)
         train_eagle.main(common + ["--out", args.eagle_head])
-    if args.eagle3_head != "none" and not Path(args.eagle3_head).exists():
+    wants_eagle3 = any(selected(args, f"eagle3-{kind}-") for kind in ("chain", "tree", "lookahead"))
+    if args.eagle3_head != "none" and wants_eagle3 and not Path(args.eagle3_head).exists():
         print(f"training the EAGLE-3 head -> {args.eagle3_head}", file=sys.stderr)
         train_eagle.main(common + ["--out", args.eagle3_head, "--eagle3", "--unroll", "3", "--steps", "2400"])
 
@@ -102,6 +118,11 @@ def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None
                      (System(f"eagle3-lookahead-{device}", "ours EAGLE-3 tree + lookahead" + where,
                              "eagle+lookahead", None), device)]
     rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
+    rows = [(system, device) for system, device in rows if selected(args, system.key)]
+    if args.fixed_rows:
+        rows += [(System(system.key + "-fixed", system.label + ", fixed", system.speculator, system.tree_width,
+                         controller=SpeculationController(adaptive=False)), device)
+                 for system, device in rows if system.speculator not in (None, "none")]
     return rows
 
 
@@ -154,7 +175,9 @@ def main(argv=None) -> None:
 
     fixed = {}  # system key -> acceptance length with every step's whole tree (adaptive off)
     for system, device in systems:
-        if system.speculator not in (None, "none"):
+        if system.key.endswith("-fixed"):  # timed that way already
+            fixed[system.key] = measures[system.key].acceptance_length
+        elif system.speculator not in (None, "none"):
             select(system, device)
             llm.engine.spec_controller = SpeculationController(adaptive=False)
             m = Measure()
@@ -178,21 +201,16 @@ def main(argv=None) -> None:
                      "-" if length is None else f"{length:.2f}", "-" if fixed_length is None else f"{fixed_length:.2f}"))
     print_table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len", "fixed"), rows)
     rates = {k: statistics.median(n / s for n, s in m.rounds) for k, m in measures.items()}
-    tree = measures[f"eagle-tree-{head_devices[0]}"]
-    medusa = measures[f"medusa-{head_devices[0]}"]
     where = head_devices[0]
-    print(f"\ntargets: EAGLE-2 acceptance length {tree.acceptance_length or 0:.2f}, fixed "
-          f"{fixed[f'eagle-tree-{where}'] or 0:.2f} (>= 2.5), Medusa {medusa.acceptance_length or 0:.2f}, fixed "
-          f"{fixed[f'medusa-{where}'] or 0:.2f} (>= 1.8), EAGLE-2 {rates[f'eagle-tree-{where}'] / plain:.2f}x "
-          f"our plain (>= 1.8x)")
-    tree3 = measures.get(f"eagle3-tree-{where}")
-    if tree3 is not None:
-        print(f"EAGLE-3 head, EAGLE-2 trees: acceptance length {tree3.acceptance_length or 0:.2f}, fixed "
-              f"{fixed[f'eagle3-tree-{where}'] or 0:.2f}, {rates[f'eagle3-tree-{where}'] / plain:.2f}x our plain")
-        both = measures[f"eagle3-lookahead-{where}"]
-        print(f"EAGLE-3 trees + lookahead: acceptance length {both.acceptance_length or 0:.2f}, fixed "
-              f"{fixed[f'eagle3-lookahead-{where}'] or 0:.2f}, {rates[f'eagle3-lookahead-{where}'] / plain:.2f}x our "
-              f"plain")
+    print()
+    for key, name, targets in (("eagle-tree", "EAGLE-2 (EAGLE head, trees)", " (targets: >= 2.5, >= 1.8x)"),
+                               ("medusa", "Medusa", " (target: >= 1.8)"),
+                               ("eagle3-tree", "EAGLE-3 head, EAGLE-2 trees", ""),
+                               ("eagle3-lookahead", "EAGLE-3 trees + lookahead", "")):
+        m = measures.get(f"{key}-{where}")
+        if m is not None:
+            print(f"{name}: acceptance length {m.acceptance_length or 0:.2f}, "
+                  f"fixed {fixed[f'{key}-{where}'] or 0:.2f}, {rates[f'{key}-{where}'] / plain:.2f}x our plain{targets}")
 
 
 if __name__ == "__main__":
