@@ -210,7 +210,8 @@ class SpeculationController:
             if state.steps_without_draft >= self.probe_interval:
                 waiting.append(i)
         self._probing = False
-        if waiting and self.steps_since_probe >= self._probe_spacing(base, max(caps[i] for i in waiting)):
+        if waiting and self.steps_since_probe >= self._probe_spacing(
+                base, max(caps[i] for i in waiting), max(plans[i][-1][1] for i in waiting)):
             i = max(waiting, key=lambda j: self.requests[request_ids[j]].steps_without_draft)
             self._probing = not any(budgets)
             budgets[i] = caps[i]
@@ -218,16 +219,16 @@ class SpeculationController:
             self.steps_since_probe = 0
         return budgets
 
-    def _probe_spacing(self, num_tokens: int, cap: int) -> int:
+    def _probe_spacing(self, num_tokens: int, cap: int, depth: float) -> int:
         """Steps between probes so that a probe's extra time stays within probe_budget, at
-        most 8 x probe_interval. The extra time is the proposer's drafting plus the verify
-        tokens at the plain steps' marginal cost: the drafted steps' fit may be the stale
-        estimate the probe is there to refresh."""
+        most 8 x probe_interval. The extra time is the proposer's drafting (a tree `depth`
+        deep) plus the verify tokens at the plain steps' marginal cost: the drafted steps'
+        fit may be the stale estimate the probe is there to refresh."""
         plain = self.step_seconds(num_tokens, 0)
         if plain <= 0:
             return self.probe_interval
         per_token = (self.plain_cost if self.plain_cost.has_data else self.cost).coefficients()[1]
-        extra = per_token * cap + self.draft_seconds(cap, cap)
+        extra = per_token * cap + self.draft_seconds(depth, depth)
         spacing = int(extra / (self.probe_budget * plain)) + 1
         return min(max(self.probe_interval, spacing), 8 * self.probe_interval)
 
