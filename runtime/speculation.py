@@ -34,11 +34,13 @@ regression), and past the measured nodes it goes on falling by a per node. All d
 nodes of the step are ordered by that gain, and the step takes the prefix of that order
 that maximises expected tokens per predicted second (none at all when plain decoding is
 faster). So drafts are long when acceptance is high and verification is cheap, shrink
-as the batch grows, and stop for a sequence whose drafts keep missing. A sequence left
-without drafts for `probe_interval` steps (for either reason) gets a probe, a full-size
-draft: without probes a stale estimate (of its acceptance, or of the cost of drafted
-steps, measured in a noisy moment) could switch speculation off for good, and a
-full-size probe measures both where the engine would operate. Probes are spaced so that they
+as the batch grows, and stop for a sequence whose drafts keep missing. A sequence held
+below its cap for `probe_interval` steps (no drafts at all, or a small tree) gets a
+probe, a full-size draft: only verified nodes are measured, so without probes a stale
+estimate (of its acceptance, of the worth of the nodes past its usual budget, or of the
+cost of drafted steps, measured in a noisy moment) could switch speculation off, or keep
+trees small, for good; a full-size probe measures them all where the engine would
+operate. Probes are spaced so that they
 cost at most `probe_budget` of the time (one sequence per probe, and with a draft model
 a probe's draft forwards count), and at most 8 x probe_interval steps apart, so when
 speculation does not pay, probing costs a few percent.
@@ -88,7 +90,7 @@ class _Acceptance:
     rate: float  # a draft token's chance of acceptance given its parent's
     hits: list[float]  # hits[j]: the j-th node's chance of being on the accepted path, where measured
     depths: list[float]  # depths[j]: the tree's depth once it holds nodes 0..j, where measured
-    steps_without_draft: int = 0
+    steps_below_cap: int = 0  # steps since its last full-size draft
 
 
 def _non_increasing(values: list[float]) -> list[float]:
@@ -204,18 +206,19 @@ class SpeculationController:
         waiting = []  # sequences due for a probe
         for i, request_id in enumerate(request_ids):
             state = self._state(request_id)
-            if budgets[i] or not caps[i]:
+            if budgets[i] >= caps[i]:  # a full-size draft (or none allowed): nothing left unmeasured
+                state.steps_below_cap = 0
                 continue
-            state.steps_without_draft += 1
-            if state.steps_without_draft >= self.probe_interval:
+            state.steps_below_cap += 1
+            if state.steps_below_cap >= self.probe_interval:
                 waiting.append(i)
         self._probing = False
         if waiting and self.steps_since_probe >= self._probe_spacing(
                 base, max(caps[i] for i in waiting), max(plans[i][-1][1] for i in waiting)):
-            i = max(waiting, key=lambda j: self.requests[request_ids[j]].steps_without_draft)
+            i = max(waiting, key=lambda j: self.requests[request_ids[j]].steps_below_cap)
             self._probing = not any(budgets)
             budgets[i] = caps[i]
-            self.requests[request_ids[i]].steps_without_draft = 0
+            self.requests[request_ids[i]].steps_below_cap = 0
             self.steps_since_probe = 0
         return budgets
 
@@ -235,7 +238,6 @@ class SpeculationController:
     def observe_verdict(self, request_id: str, num_accepted: int, rejected: bool) -> None:
         """A verify step accepted num_accepted draft tokens, then (if rejected) missed one."""
         state = self._state(request_id)
-        state.steps_without_draft = 0
         for outcome in [1.0] * num_accepted + ([0.0] if rejected else []):
             state.rate += self.smoothing * (outcome - state.rate)
 

@@ -89,8 +89,7 @@ def test_low_acceptance_stops_drafting_except_for_probes():
         assert budgets[0] == 6
         bad.append(budgets[1])
     assert bad == [6 if step % 5 == 0 else 0 for step in range(1, 21)]  # a full-size probe
-    # a probe that is answered (however it went) restarts the count
-    controller.budgets(["bad"], [6])
+    # a probe restarts the count, however it went
     controller.observe_verdict("bad", 0, True)
     assert [controller.budgets(["bad"], [6])[0] for _ in range(5)] == [0, 0, 0, 0, 6]
     # drafts come back once the sequence's drafts start landing again
@@ -399,3 +398,30 @@ def test_budgets_maximise_expected_throughput_with_measured_trees(with_drafting)
                    for v in itertools.product(*(range(c + 1) for c in caps)))
         worst = min(worst, tree_throughput(controller, ids, caps, budgets) / best)
     assert worst == pytest.approx(1.0, rel=1e-9) if not with_drafting else worst > 0.95, worst
+
+
+def test_probes_measure_the_nodes_past_a_small_budget():
+    """A request whose trees were small when it started (its curve measured for 2 nodes, the
+    rest guessed by a chain model that undervalues a wide tree) keeps small trees unless
+    full-size probes measure the rest: with them its trees grow to about the best size."""
+    def run(probe_interval: int) -> list[int]:
+        controller = cpu_like(SpeculationController(probe_interval=probe_interval))
+        rng = random.Random(24)
+        feed_tree_verdicts(controller, "t", WIDE_TREE_HITS[:2], WIDE_TREE_DEPTHS[:2], rng, steps=100)
+        sizes = []
+        for _ in range(600):
+            [n] = controller.budgets(["t"], [16])
+            sizes.append(n)
+            if n:
+                feed_tree_verdicts(controller, "t", WIDE_TREE_HITS[:n], WIDE_TREE_DEPTHS[:n], rng, steps=1)
+        return sizes
+
+    def tokens_per_second(n: int) -> float:  # the truth, as in the test above
+        depth = max(WIDE_TREE_DEPTHS[:n]) if n else 0
+        return (1 + sum(WIDE_TREE_HITS[:n])) / ((0.058 + 0.0003 * (n + 1) + 0.0015 * depth) if n else 0.048)
+
+    best = max(tokens_per_second(n) for n in range(17))
+    without = run(10**9)
+    assert max(without) <= 6 and tokens_per_second(without[-1]) < 0.95 * best, without[-20:]
+    late = run(4)[-100:]  # probes included
+    assert max(late) == 16 and sum(tokens_per_second(n) for n in late) / len(late) >= 0.93 * best, late
