@@ -114,11 +114,15 @@ def add_self_distillation_args(parser) -> None:
     p.add_argument("--data", default=None, help="prompt JSONL ({'prompt'} or {'messages'} per line; default: the "
                                                 "shipped training prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--corpus", default=None, help="JSONL of the target's answers: read when it exists, else "
-                                                  "written (default: OUT/corpus.jsonl)")
+    p.add_argument("--corpus", action="append", default=None,
+                   help="JSONL of the target's answers: read when it exists, else written (default: "
+                        "OUT/corpus.jsonl). Repeat it for more training text: the second and later corpora "
+                        "are answers sampled at --extra-temperature, with their own seeds")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens per answer (default: 192)")
     p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature for the "
-                                                                   "corpus (default: 0 = greedy)")
+                                                                   "first corpus (default: 0 = greedy)")
+    p.add_argument("--extra-temperature", type=float, default=0.8,
+                   help="the sampling temperature of the second and later corpora (default: 0.8)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--val-fraction", type=float, default=0.05, help="answers held out for validation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (the target and the training)")
@@ -127,23 +131,34 @@ def add_self_distillation_args(parser) -> None:
 
 
 def self_distillation_corpus(args):
-    """(engine, training samples, validation samples) from the flags above: the corpus is
-    read when it exists, else the target writes it (and it is saved)."""
+    """(engine, training samples, validation samples) from the flags above. Each corpus is
+    read when it exists, else the target writes it (and it is saved). Validation answers
+    are the first --val-fraction of the first corpus; the other corpora's answers to those
+    prompts are left out of training."""
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
-    corpus_path = Path(args.corpus) if args.corpus else Path(args.out) / "corpus.jsonl"
-    start = time.perf_counter()
-    if corpus_path.exists():
-        samples = load_corpus(corpus_path, args.model)
-        print(f"corpus: {len(samples)} answers from {corpus_path}")
-    else:
-        prompts = load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
-        samples = generate_corpus(engine, prompts, args.max_tokens, args.temperature, args.seed)
-        save_corpus(samples, corpus_path, args.model)
-        print(f"corpus: {len(samples)} answers in {time.perf_counter() - start:.0f} s -> {corpus_path}")
-    num_val = max(1, int(len(samples) * args.val_fraction))
-    return engine, samples[num_val:], samples[:num_val]
+    paths = [Path(p) for p in args.corpus] if args.corpus else [Path(args.out) / "corpus.jsonl"]
+    corpora = []
+    for k, path in enumerate(paths):
+        start = time.perf_counter()
+        if path.exists():
+            samples = load_corpus(path, args.model)
+            print(f"corpus: {len(samples)} answers from {path}")
+        else:
+            prompts = load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
+            temperature = args.temperature if k == 0 else args.extra_temperature
+            samples = generate_corpus(engine, prompts, args.max_tokens, temperature, args.seed + k * len(prompts))
+            save_corpus(samples, path, args.model)
+            print(f"corpus: {len(samples)} answers at temperature {temperature} in "
+                  f"{time.perf_counter() - start:.0f} s -> {path}")
+        corpora.append(samples)
+    num_val = max(1, int(len(corpora[0]) * args.val_fraction))
+    val = corpora[0][:num_val]
+    val_prompts = {tuple(s.token_ids[:s.num_prompt_tokens]) for s in val}
+    train = corpora[0][num_val:] + [s for samples in corpora[1:] for s in samples
+                                    if tuple(s.token_ids[:s.num_prompt_tokens]) not in val_prompts]
+    return engine, train, val
 
 
 def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

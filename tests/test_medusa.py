@@ -263,3 +263,30 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
     for (name, a), b in zip(after.state_dict().items(), before.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
     assert json.loads((out / "config.json").read_text())["training"]["init_heads"] == str(trained_heads)
+
+
+def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(plain_outputs, tmp_path):
+    """The training scripts' corpora (speculators.training.self_distillation_corpus): a
+    missing corpus is written by the target, the first greedily and a second one sampled;
+    validation answers come from the first, and the second's answers to their prompts are
+    not trained on."""
+    import argparse
+    from speculators.training import add_self_distillation_args, load_corpus, self_distillation_corpus
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    parser = argparse.ArgumentParser()
+    add_self_distillation_args(parser)
+    first, second = tmp_path / "greedy.jsonl", tmp_path / "sampled.jsonl"
+    args = parser.parse_args(["--out", str(tmp_path / "out"), "--data", str(prompts), "--corpus", str(first),
+                              "--corpus", str(second), "--max-tokens", "8", "--val-fraction", "0.25",
+                              "--device", "cpu", "--dtype", "float32"])
+    engine, train, val = self_distillation_corpus(args)
+    engine.close()
+    greedy, sampled = load_corpus(first, "smollm2-135m"), load_corpus(second, "smollm2-135m")
+    prompt_of = [s.token_ids[:s.num_prompt_tokens] for s in greedy]
+    assert [s.token_ids[:s.num_prompt_tokens] for s in sampled] == prompt_of
+    answers = [s.token_ids[s.num_prompt_tokens:] for s in greedy]
+    assert all(answers) and answers == [out[:len(a)] for out, a in zip(plain_outputs, answers)]
+    assert [s.token_ids for s in greedy] != [s.token_ids for s in sampled]  # sampled, not greedy again
+    assert [s.token_ids for s in val] == [greedy[0].token_ids]
+    assert sorted(s.token_ids for s in train) == sorted(s.token_ids for s in greedy[1:] + sampled[1:])
