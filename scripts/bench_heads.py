@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                         "the target's device when it is not the CPU)")
     p.add_argument("--eagle-width", type=int, default=4, help="EAGLE-2 top-k per expansion (default: 4)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
+                   help="weight-only quantization of the heads' own layers on the CPU (default: none)")
     p.add_argument("--systems", default=None,
                    help="comma-separated rows to run besides HF and ours plain: medusa, eagle (chain and tree), "
                         "eagle-chain, eagle-tree, eagle3 (its three rows), eagle3-chain, eagle3-tree, "
@@ -135,7 +137,7 @@ def main(argv=None) -> None:
                     else ["cpu"] + ([args.device] if args.device != "cpu" else []))
     prompts = load_prompts(default_prompt_file("heldout"), args.limit)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=0, medusa_heads=args.medusa_heads,
-              eagle_head=args.eagle_head)
+              eagle_head=args.eagle_head, draft_quantization=args.draft_quantization)
     hf = load_hf(args.model, DTYPES[args.dtype], args.device)
     hf_tok = load_tokenizer(resolve_model(args.model))
     eos_ids = list(llm.engine.model_config.eos_token_ids)
@@ -186,7 +188,8 @@ def main(argv=None) -> None:
 
     print(f"\n### Medusa and EAGLE heads, {datetime.date.today().isoformat()}\n")
     print(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}")
+          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}"
+          f"{'  heads int8' if args.draft_quantization == 'int8' else ''}")
     print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
           f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), then "
           f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE, "
