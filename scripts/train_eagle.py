@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     print(f"{len(train)} training answers, {len(val)} validation answers")
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens,
-                          "unroll": args.unroll, "init_head": args.init_head}}
+             "training": {"corpora": args.corpus, "answers": len(train_samples) + len(val_samples),
+                          "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
 
     def checkpoint(step, val_loss, val_accuracy):
         save_head(head, out, {**extra, "step": step, "val_loss": val_loss, "val_depth1_accuracy": val_accuracy})

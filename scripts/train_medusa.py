@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     print(f"{len(train)} training positions, {len(val)} validation positions")
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"answers": len(train_samples) + len(val_samples), "max_tokens": args.max_tokens,
-                          "init_heads": args.init_heads}}
+             "training": {"corpora": args.corpus, "answers": len(train_samples) + len(val_samples),
+                          "max_tokens": args.max_tokens, "init_heads": args.init_heads}}
 
     def checkpoint(step, val_loss, val_acceptance):
         save_heads(heads, out, {**extra, "step": step, "val_loss": val_loss, "val_acceptance": val_acceptance})
