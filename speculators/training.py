@@ -139,6 +139,8 @@ def self_distillation_corpus(args):
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
     paths = [Path(p) for p in args.corpus] if args.corpus else [Path(args.out) / "corpus.jsonl"]
+    prompts = (load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
+               if not all(path.exists() for path in paths) else [])
     corpora = []
     for k, path in enumerate(paths):
         start = time.perf_counter()
@@ -146,7 +148,6 @@ def self_distillation_corpus(args):
             samples = load_corpus(path, args.model)
             print(f"corpus: {len(samples)} answers from {path}")
         else:
-            prompts = load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
             temperature = args.temperature if k == 0 else args.extra_temperature
             samples = generate_corpus(engine, prompts, args.max_tokens, temperature, args.seed + k * len(prompts))
             save_corpus(samples, path, args.model)
