@@ -4,7 +4,11 @@ Both run the same DecoderModel (runtime.models.decoder); a backend only swaps mo
   - `torch`: bf16 nn.Linear already runs on AMX through oneDNN; nothing to swap. With
     `int8`, every linear layer (and the LM head) becomes Int8Linear: per-output-channel
     symmetric int8 weights through `torch.ops.aten._weight_int8pack_mm` (dequantized
-    matmul where that op is missing).
+    matmul where that op is missing). That op is a matrix-vector kernel: it reads half the
+    bytes, so it wins for a few rows, and loses to the float GEMM past a handful. On the
+    CPU each layer shape is timed once at load (`int8_row_limit`), and calls with more
+    rows than int8 wins at run through the float weight, which is then kept: int8 on this
+    path buys speed for small batches, not memory.
   - `ipex` (intel-extension-for-pytorch): `ipex.optimize` prepacks the linear weights
     into oneDNN's blocked layout, RMSNorm runs IPEX's fused kernel, and `int8` uses IPEX's
     weight-only quantized linear (bf16 compute on AMX).
@@ -14,6 +18,9 @@ only when it imports cleanly.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -54,27 +61,61 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [N, K] and one scale per output row (weight-only:
-    activations stay in the model dtype)."""
+    activations stay in the model dtype). With `max_int8_rows` set, inputs of more rows run
+    through the float weight instead (kept for that)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, max_int8_rows: int | None = None):
         super().__init__()
         weight = linear.weight.detach().float()  # [N, K]
         scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [N]
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.max_int8_rows = max_int8_rows
+        self.register_buffer("weight_float", None if max_int8_rows is None else linear.weight.detach())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        if x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        if self.weight_float is not None and x2.shape[0] > self.max_int8_rows:
+            y = nn.functional.linear(x2, self.weight_float)
+        elif x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
         else:
             y = nn.functional.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+ROW_LADDER = (1, 2, 4, 8, 16, 32, 64)  # row counts at which int8 is timed against float
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def int8_row_limit(linear: nn.Linear, timer: Callable[[Callable[[], object]], float] = median_ms) -> int | None:
+    """The most rows (of ROW_LADDER) up to which Int8Linear beats `linear` here, counting
+    up until int8 first loses; None when it wins at every count (no float copy needed)."""
+    int8 = Int8Linear(linear)
+    weight = linear.weight
+    limit = 0
+    for rows in ROW_LADDER:
+        x = torch.randn(rows, linear.in_features, dtype=weight.dtype, device=weight.device)  # [M, K]
+        if timer(lambda: int8(x)) >= timer(lambda: linear(x)):
+            return limit
+        limit = rows
+    return None
 
 
 def _linear_children(model: nn.Module):
@@ -85,13 +126,24 @@ def _linear_children(model: nn.Module):
                 yield parent, name, child
 
 
-def quantize_int8_torch(model: nn.Module) -> int:
-    """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table)."""
-    swapped = 0
+def quantize_int8_torch(model: nn.Module, timer=median_ms) -> dict[tuple[int, int], int | None]:
+    """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table). On the
+    CPU each distinct (in, out) shape is timed once (int8_row_limit) and its layers run int8
+    only up to that many rows. Returns {(in, out): row limit} (None: int8 at any rows)."""
+    limits: dict[tuple[int, int], int | None] = {}
     for parent, name, linear in list(_linear_children(model)):
-        setattr(parent, name, Int8Linear(linear))
-        swapped += 1
-    return swapped
+        shape = (linear.in_features, linear.out_features)
+        if shape not in limits:
+            limits[shape] = int8_row_limit(linear, timer) if linear.weight.device.type == "cpu" else None
+        setattr(parent, name, Int8Linear(linear, limits[shape]))
+    return limits
+
+
+def describe_row_limits(limits: dict[tuple[int, int], int | None]) -> str:
+    """e.g. "int8 up to 2 rows at 576x8192, up to 4 rows at 576x1536, float beyond"."""
+    parts = [f"{'at any rows' if limit is None else f'up to {limit} rows'} at {k}x{n}"
+             for (k, n), limit in sorted(limits.items())]
+    return f"int8 {', '.join(parts)}, float beyond"
 
 
 def quantize_int8_ipex(model: nn.Module, ipex) -> int:
@@ -145,7 +197,7 @@ def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
             ipex.optimize(model, dtype=model.dtype, inplace=True)
             parts.append("prepacked linear weights")
     elif quantization == "int8":
-        parts.append(f"int8 weight-only (torch, {quantize_int8_torch(model)} linear layers)")
+        parts.append(f"int8 weight-only (torch, {describe_row_limits(quantize_int8_torch(model))})")
     if device.type == "cpu":
         parts.append(f"AMX {'yes' if amx_available() else 'no'}")
     return ", ".join(parts)

@@ -421,3 +421,50 @@ def test_sampled_tree_carries_without_replacement_probs():
             expected[seen] = 0
             torch.testing.assert_close(q, expected / expected.sum())
             seen.append(tree.token_ids[child])
+
+
+def test_int8_linear_runs_float_past_its_row_limit():
+    from draft_cpu.backends import Int8Linear
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    always_int8, limited = Int8Linear(linear), Int8Linear(linear, max_int8_rows=2)
+    few, many = torch.randn(2, 64), torch.randn(3, 64)
+    assert torch.equal(limited(few), always_int8(few))
+    assert not torch.equal(always_int8(many), linear(many))  # int8 differs from float...
+    assert torch.equal(limited(many), linear(many))  # ...and past the limit the float weight runs
+
+
+def scripted_timer(int8_ms, float_ms):
+    """A timer for int8_row_limit: its calls alternate int8, float at each row count."""
+    costs = [c for pair in zip(int8_ms, float_ms) for c in pair]
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return costs[len(calls) - 1]
+    return timer, calls
+
+
+def test_int8_row_limit_is_the_last_row_count_int8_wins_at():
+    from draft_cpu.backends import ROW_LADDER, int8_row_limit
+    linear = torch.nn.Linear(32, 16)
+    timer, calls = scripted_timer([1, 1, 1, 3], [2, 2, 2, 2])
+    assert int8_row_limit(linear, timer) == 4 and len(calls) == 8  # stops at the first loss
+    assert int8_row_limit(linear, scripted_timer([3], [2])[0]) == 0
+    assert int8_row_limit(linear, scripted_timer([1] * len(ROW_LADDER), [2] * len(ROW_LADDER))[0]) is None
+
+
+def test_int8_quantization_times_each_layer_shape_once():
+    from draft_cpu.backends import Int8Linear, quantize_int8_torch
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 16), torch.nn.Linear(32, 16))
+    timed = []
+
+    def timer(fn):
+        timed.append(fn)
+        return 1.0  # a tie: int8 loses at one row
+    limits = quantize_int8_torch(model, timer)
+    assert limits == {(32, 16): 0, (16, 16): 0} and len(timed) == 4
+    assert all(isinstance(m, Int8Linear) and m.max_int8_rows == 0 for m in model if not isinstance(m, torch.nn.ReLU))
+    x = torch.randn(1, 32)
+    assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight_float, model[0].bias))
