@@ -2,8 +2,11 @@
 
 The GPU box has no internet and weights must travel in a 64 MiB working tree, so models of
 the Qwen2.5-Coder 1.5B and 0.5B shapes are made where they run: config.json, random weights
-in model.safetensors (normal, std 0.02; norms 1) and a word-level tokenizer of the model's
-vocabulary size ("t0", "t1", ...), all loadable by runtime.models.loader like any HF model.
+in model.safetensors (normal, std 0.02; norms 1) and a byte-level tokenizer of the model's
+vocabulary size (the 256 bytes, Qwen's special tokens at their ids, "<tN>" for the rest,
+no merges: transformers 5 reads it as the Qwen2 tokenizer its config names, 4.x as a plain
+fast tokenizer, and both encode and decode alike), all loadable by runtime.models.loader
+like any HF model.
 The text such a model writes is noise; only its costs (ms per forward, tok/s at fixed
 speculation) mean anything.
 
@@ -61,15 +64,22 @@ def random_weights(cfg: dict, dtype: torch.dtype, seed: int) -> dict[str, torch.
     return weights
 
 
-def write_tokenizer(out: Path, vocab_size: int, eos_token_id: int) -> None:
-    """A word-level tokenizer over "t0".."t{V-1}" (whitespace-separated), EOS = t{eos}."""
+QWEN2_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level BPE without merges: text encodes to one token per byte (ids 0..255),
+    Qwen's special tokens sit at their ids, and every other id is "<tN>"."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 bytes as printable characters
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols)}
+    vocab.update({QWEN2_SPECIAL_TOKENS.get(i, f"<t{i}>"): i for i in range(len(byte_symbols), vocab_size)})
+    tokenizer = Tokenizer(models.BPE(vocab, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "eos_token": f"t{eos_token_id}",
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 32768}))
 
 
@@ -80,7 +90,7 @@ def make_random_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed
     cfg = hf_config(shape)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(random_weights(cfg, getattr(torch, dtype), seed), str(out / "model.safetensors"))
-    write_tokenizer(out, cfg["vocab_size"], cfg["eos_token_id"])
+    write_tokenizer(out, cfg["vocab_size"])
     return out
 
 

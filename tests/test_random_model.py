@@ -22,7 +22,11 @@ def test_a_small_qwen2_shape_loads_and_generates(tmp_path, monkeypatch):
     cfg = llm.engine.model_config
     assert (cfg.architecture, cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads) == ("qwen2", 151936, 2, 2)
     assert cfg.attention_bias and cfg.eos_token_ids == [151645]
-    result = llm.generate(["t1 t2 t3"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+    tokenizer = llm.engine.tokenizer
+    assert len(tokenizer) == 151936 and tokenizer.eos_token_id == 151645
+    ids = tokenizer("Hello, wörld").input_ids
+    assert len(ids) == len("Hello, wörld".encode()) and tokenizer.decode(ids) == "Hello, wörld"  # byte-level
+    result = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                           use_tqdm=False)[0]
     assert len(result.token_ids) == 4 and result.text.strip()
 
