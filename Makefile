@@ -1,5 +1,6 @@
 # make serve: set up .venv (once) and serve the default model on 127.0.0.1:8000
 # make test:  set up .venv (once) and run the test suite
+# make test-transformers5: the suite again with transformers 5 (the GPU box's) over .venv's torch
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ EXTRAS := test,ipex
 endif
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: venv serve test bench clean
+.PHONY: venv serve test test-transformers5 bench clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,17 @@ serve: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# transformers 5 and the packages it needs beyond .venv's, in a directory put first on PYTHONPATH
+# (IPEX does not import with transformers 5, so the draft backend falls back to torch there)
+TF5_SITE := $(VENV)/transformers5
+TF5_PACKAGES := "transformers>=5,<6" "huggingface-hub>=1.31,<3" "tokenizers>=0.23,<0.24" "safetensors>=0.8" \
+	"regex>=2025.10.22" typer click httpx2 httpcore2 hf-xet shellingham rich annotated-doc markdown-it-py mdurl \
+	pygments truststore
+
+test-transformers5: venv
+	test -d $(TF5_SITE) || $(PY) -m pip install -q --no-deps --target $(TF5_SITE) $(TF5_PACKAGES)
+	PYTHONPATH=$(TF5_SITE) $(PY) -m pytest -q tests
 
 bench: venv
 	$(PY) scripts/bench_decode.py
