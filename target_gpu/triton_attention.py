@@ -106,6 +106,9 @@ def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr
     r = tl.arange(0, BLOCK_M)
     j = first_row + r // G  # [M]
     row_ok = (r < (BLOCK_M // G) * G) & (j < query_len)  # [M]
+    # compared per row, not as the scalar is_tree: Triton 3.9's interpreter gives a scalar
+    # bool & a tensor int32 data, which tl.load refuses as a mask
+    tree_row = row_ok & (mask_offset + 0 * j >= 0)  # [M]
     d = tl.arange(0, HEAD_DIM)
     q_rows = (query_start + j) * stride_qt + (kv_head * G + r % G) * stride_qh  # [M]
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # [M, D]
@@ -134,7 +137,7 @@ def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr
         i = n - context_len  # [N] index among the new tokens; < 0 in the context
         new = (i >= 0)[None, :]
         tree_ok = tl.load(masks_ptr + mask_offset + j[:, None] * query_len + i[None, :],
-                          mask=is_tree & row_ok[:, None] & new & n_ok[None, :], other=0) != 0
+                          mask=tree_row[:, None] & new & n_ok[None, :], other=0) != 0
         sees_new = tl.where(is_tree, tree_ok, i[None, :] <= j[:, None])
         s = tl.where(n_ok[None, :] & (~new | sees_new), s, -1.0e30)
 
