@@ -15,6 +15,7 @@ generating exactly --max-tokens tokens (HF: min_new_tokens; engine: ignore_eos):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -83,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_hf(spec: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25+: no hub kernels (a download)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     source = resolve_model(spec)

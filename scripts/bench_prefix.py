@@ -19,6 +19,7 @@ first is the same cold start for everyone), and the ratio to caching off.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -84,6 +85,7 @@ def hf_ttft(model, ids: list[int]) -> float:
 def load_hf(engine: LLMEngine):
     from transformers import AutoModelForCausalLM
     from runtime.models.loader import resolve_model
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25+: no hub kernels (a download)
     path = resolve_model(engine.config.model).path
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     directory = path.parent if path.suffix == ".gguf" else path

@@ -11,6 +11,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# transformers 5.25+ fetches "hub kernels" for from_pretrained by default (from the hub, with the
+# `kernels` package); the HF references here are plain eager PyTorch models
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 import pytest  # noqa: E402
 

@@ -319,8 +319,9 @@ def test_circuit_breaker_cools_down_then_retries():
 def test_one_structured_log_line_per_request(server, caplog):
     base_url, _ = server
     with caplog.at_level(logging.INFO, logger="runtime.requests"):
-        resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "n": 2},
-                          timeout=60).json()
+        # greedy: a sampled completion may end at EOS within 3 tokens
+        resp = httpx.post(f"{base_url}/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": 3, "n": 2, "temperature": 0}, timeout=60).json()
         eventually(lambda: sum(r.name == "runtime.requests" for r in caplog.records) >= 2)
         time.sleep(0.2)
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "runtime.requests"]
