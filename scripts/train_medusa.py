@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from speculators.medusa import MedusaHeads, load_heads, save_heads  # noqa: E402
-from speculators.training import (add_self_distillation_args, medusa_data, self_distillation_corpus,  # noqa: E402
-                                  train_medusa)
+from speculators.training import (add_self_distillation_args, draft_vocabulary, medusa_data,  # noqa: E402
+                                  self_distillation_corpus, train_medusa)
 
 
 def parse_args(argv=None):
@@ -33,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: 1)")
     p.add_argument("--own-lm-head", action="store_true", help="give each head its own vocabulary projection "
                    "(initialised from the target's; more memory and slower training) instead of sharing the target's")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="the heads' vocabulary: the tokens the corpus "
+                   "writes most (default: 8192; 0 = the target's whole vocabulary)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: 2000)")
     p.add_argument("--batch-size", type=int, default=256, help="positions per step (default: 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
@@ -42,17 +44,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def new_heads(args, model) -> MedusaHeads:
-    """The heads to train: from --init-heads, else fresh ones (a residual block starts as
-    the identity, an own LM head as the target's)."""
+def new_heads(args, model, train_samples) -> MedusaHeads:
+    """The heads to train: from --init-heads, else fresh ones over the draft vocabulary of
+    the training answers (a residual block starts as the identity, an own LM head as the
+    target's rows)."""
     cfg = model.config
     if args.init_heads:
         return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head).float()
+    draft_vocab = (draft_vocabulary(train_samples, args.draft_vocab, cfg.eos_token_ids)
+                   if 0 < args.draft_vocab < cfg.vocab_size else torch.arange(cfg.vocab_size))  # [Vd] target ids
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, args.num_heads, args.num_layers,
-                        None if args.own_lm_head else model.lm_head)
+                        None if args.own_lm_head else model.lm_head, len(draft_vocab))
+    heads.set_draft_vocab(draft_vocab)
     if args.own_lm_head:
         for head in heads.lm_heads:
-            head.weight.data.copy_(model.lm_head.weight.detach().float())
+            head.weight.data.copy_(model.lm_head.weight.detach().float()[draft_vocab])
     return heads
 
 
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
     engine, train_samples, val_samples = self_distillation_corpus(args)
     start = time.perf_counter()
     model = engine.model
-    heads = new_heads(args, model).to(model.embed_tokens.weight.device)
+    heads = new_heads(args, model, train_samples).to(model.embed_tokens.weight.device)
     train = medusa_data(model, train_samples, heads.num_heads)
     val = medusa_data(model, val_samples, heads.num_heads)
     print(f"{len(train)} training positions, {len(val)} validation positions")

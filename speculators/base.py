@@ -17,6 +17,7 @@ import torch
 from runtime.sampling_params import SamplingParams
 from speculators.tree import DraftTree
 
+IGNORE = -100  # a label the training cross-entropy skips; a target token outside a draft vocabulary
 
 @dataclass(slots=True)
 class ProposalRequest:

@@ -51,10 +51,10 @@ from torch import nn
 
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from speculators.base import IGNORE
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-IGNORE = -100
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:

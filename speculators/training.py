@@ -6,8 +6,9 @@ a prompt set, and heads learn to predict what the target does next.
   2. `target_states`: one causal forward of the target over a whole sample (dense
      attention, no KV cache) gives its final hidden states [T, H], the features the heads
      read at serving time, and its greedy next token at every position.
-  3. `train_medusa`: head k learns, from the hidden state at position p, the token the
-     target wrote at p + 2 + k (cross-entropy per head, later heads weighted down), on
+  3. `train_medusa`: head k learns, from the hidden state at position p, the target's
+     greedy token at p + 2 + k along the written path (`medusa_labels`; in a greedy
+     corpus the written token) (cross-entropy per head, later heads weighted down), on
      answer positions only (the prompt is the user's text, not the target's). Soft
      labels (the target's distribution there) were tried: the same validation acceptance
      per step at twice the cost per step on this CPU, so the greedy tokens are the labels.
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators.eagle_heads import IGNORE  # the label cross-entropy skips
+from speculators.base import IGNORE
 
 log = logging.getLogger("speculators.training")
 
@@ -193,8 +194,11 @@ def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] 
 
 
 def _autocast(module: nn.Module):
-    """bf16 autocast on the module's device (AMX on this CPU, tensor cores on a GPU)."""
-    return torch.autocast(next(module.parameters()).device.type, dtype=torch.bfloat16)
+    """bf16 autocast on the module's device where bf16 math is native (tensor cores on a
+    GPU, AMX or AVX-512 BF16 on a CPU); float32 elsewhere (an AVX2 CPU emulates bf16)."""
+    from runtime.config import cpu_has_bf16_math
+    device_type = next(module.parameters()).device.type
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda" or cpu_has_bf16_math())
 
 
 def _optimizer(params, lr: float, steps: int, betas: tuple[float, float]):
@@ -218,18 +222,32 @@ class MedusaData:
 
 
 def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = True) -> MedusaData:
-    """Features and labels of every answer position of every sample. The labels are the
-    written tokens: head k's token comes after k tokens the corpus may have sampled."""
+    """Features and labels of every answer position of every sample (medusa_labels)."""
     features, labels = [], []
-    offsets = torch.arange(num_heads) + 2  # [K]
-    for s, hidden, _ in target_states(model, samples, greedy=False, progress=progress):
+    for s, hidden, greedy in target_states(model, samples, greedy=True, progress=progress):
         positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
         if not len(positions):
             continue
         features.append(hidden[positions])
-        tokens = torch.tensor(s.token_ids + [IGNORE] * (num_heads + 2))
-        labels.append(tokens[positions[:, None] + offsets[None, :]])  # [n, K]
+        labels.append(medusa_labels(torch.tensor(s.token_ids), greedy, positions, num_heads))
     return MedusaData(torch.cat(features), torch.cat(labels))
+
+
+def medusa_labels(tokens: torch.Tensor, greedy: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Head k's label at position p [n, K]: the token a greedy request would verify at
+    p + 2 + k, the target's argmax there (greedy [T]: after each position) along the
+    written path (tokens [T]); IGNORE once the written tokens p + 1 .. p + 1 + k leave the
+    greedy path (a sampled corpus: the heads see only h_p, so they are taught the greedy
+    continuation, not a draw they cannot know) and past the sample's written end. In a
+    greedy corpus these are the written tokens."""
+    t = len(tokens)
+    on_path = torch.cat([tokens[1:] == greedy[:-1], torch.zeros(num_heads + 2, dtype=torch.bool)])  # [T + K + 1]
+    greedy = torch.cat([greedy, torch.full((num_heads + 2,), IGNORE, dtype=greedy.dtype)])
+    steps = torch.arange(num_heads)  # [K]
+    index = positions[:, None] + steps[None, :]  # [n, K] p + k
+    still_greedy = on_path[index].int().cumprod(dim=1).bool()  # written p + 1 .. p + 1 + k are greedy
+    inside = index + 2 < t  # token p + 2 + k was written
+    return torch.where(still_greedy & inside, greedy[index + 1], IGNORE)  # [n, K]
 
 
 def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
@@ -237,11 +255,11 @@ def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
 
 
 def medusa_loss(heads, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy per head against the tokens the target wrote, later heads weighted
-    down; logits [N, K, V])."""
+    """(cross-entropy per head against the labels, later heads weighted down, tokens
+    outside the draft vocabulary skipped; logits [N, K, Vd]). labels [N, K] are target ids."""
     device = next(heads.parameters()).device
-    features, labels = features.to(device), labels.to(device)
-    logits = heads(features)  # [N, K, V]
+    features, labels = features.to(device), heads.draft_ids(labels.to(device))  # [N, H], [N, K] draft ids
+    logits = heads(features)  # [N, K, Vd]
     k = logits.shape[1]
     per_position = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=IGNORE, reduction="none").view(-1, k)  # [N, K]
@@ -268,7 +286,7 @@ def evaluate_medusa(heads, data: MedusaData, batch_size: int = 512) -> tuple[flo
         with _autocast(heads):
             loss, logits = medusa_loss(heads, x, y)
         total_loss += float(loss) * len(x)
-        accepted += (chain_acceptance(logits, y) - 1.0) * len(x)
+        accepted += (chain_acceptance(logits, heads.draft_ids(y.to(logits.device))) - 1.0) * len(x)
         n += len(x)
     heads.train()
     return total_loss / max(n, 1), 1.0 + accepted / max(n, 1)

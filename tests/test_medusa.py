@@ -4,6 +4,9 @@
   mask; bad lists fail clearly.
 - Loading a checkpoint written in the public Medusa layout (built here with the public
   names and shapes): the heads compute x + SiLU(W x + b) then the projection, by hand.
+- A draft vocabulary: the heads' logits are the full heads' logits of those tokens, and
+  proposals are target ids; checkpoints keep it.
+- Labels: the target's greedy tokens along the written path, cut where it leaves it.
 - Greedy lossless, batched, float32: heads trained briefly on the test prompts' own plain
   outputs (so many drafts are accepted) and random heads (mostly rejected) both give the
   output of `--speculator none`; every KV block comes back.
@@ -21,7 +24,8 @@ from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.medusa import (CompiledTree, MedusaHeads, MedusaProposer, default_choices, load_choices,
                                 load_heads, save_heads)
-from speculators.training import Sample, medusa_data, train_medusa
+from speculators.base import IGNORE
+from speculators.training import Sample, draft_vocabulary, medusa_data, medusa_labels, train_medusa
 from speculators.tree import DraftTree
 
 PROMPTS = [
@@ -112,6 +116,51 @@ def test_loads_a_checkpoint_in_the_public_medusa_layout(tmp_path):
         load_heads(tmp_path, hidden, vocab + 1, shared)
 
 
+def test_draft_vocabulary_heads_score_their_tokens_and_round_trip(tmp_path):
+    torch.manual_seed(2)
+    hidden, vocab = 8, 40
+    draft_vocab = torch.tensor([0, 3, 4, 9, 17, 21, 33, 39])  # [Vd] target ids
+    shared = torch.nn.Linear(hidden, vocab, bias=False)
+    full = MedusaHeads(hidden, vocab, 3, 1, shared)
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    small = MedusaHeads(hidden, vocab, 3, 1, shared, len(draft_vocab))
+    small.load_state_dict(full.state_dict() | {"d2t": torch.zeros(len(draft_vocab), dtype=torch.long)})
+    small.set_draft_vocab(draft_vocab)
+    x = torch.randn(5, hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), full(x)[:, :, draft_vocab])
+    assert small.draft_ids(torch.tensor([9, 10, IGNORE])).tolist() == [3, IGNORE, IGNORE]
+    save_heads(small, tmp_path / "small")
+    again = load_heads(tmp_path / "small", hidden, vocab, shared)
+    assert again.draft_vocab_size == len(draft_vocab) and again.shares_lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), small(x))
+    [tree] = MedusaProposer(again, CompiledTree(default_choices(3)), torch.device("cpu")).propose(
+        [ProposalRequest("r", [1, 2], 1, 100, 3, SamplingParams(temperature=0.0), last_hidden=x[0])])
+    assert set(tree.token_ids) <= set(draft_vocab.tolist())
+    with torch.no_grad():
+        assert tree.token_ids[0] == int(draft_vocab[small(x[:1])[0, 0].argmax()])  # head 0's best, as a target id
+
+
+def test_medusa_labels_are_the_greedy_path_along_the_written_one():
+    # the target wrote 10 11 12 13 14 15; its greedy token after each position is below
+    # (after position 2 it would have written 20, not 13: a sampled token)
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    greedy = torch.tensor([11, 12, 20, 14, 15, 16])
+    labels = medusa_labels(tokens, greedy, torch.arange(0, 4), num_heads=3)
+    assert labels.tolist() == [
+        [12, 20, IGNORE],  # p = 0: 11 and 12 are greedy, then 13 was a draw where greedy says 20
+        [20, IGNORE, IGNORE],  # p = 1: root 12 is greedy; a greedy request verifies 20 next, not 13
+        [IGNORE, IGNORE, IGNORE],  # p = 2: the root 13 itself was not greedy
+        [15, IGNORE, IGNORE],  # p = 3: 14 greedy -> 15; token 6 was never written
+    ]
+    # a greedy corpus: the labels are the written tokens
+    written = torch.tensor([10, 11, 12, 20, 14, 15])
+    labels = medusa_labels(written, torch.tensor([11, 12, 20, 14, 15, 16]), torch.arange(0, 3), num_heads=2)
+    assert labels.tolist() == [[12, 20], [20, 14], [14, 15]]
+
+
 def test_proposer_keeps_the_best_nodes_within_budget_and_width():
     torch.manual_seed(1)
     hidden, vocab = 8, 30
@@ -162,7 +211,9 @@ def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
                for p, out in zip(PROMPTS, plain_outputs)]
     data = medusa_data(model, samples, num_heads=3, progress=False)
     cfg = model.config
-    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head)
+    draft_vocab = draft_vocabulary(samples, 4096, cfg.eos_token_ids)  # every token the outputs wrote
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head, len(draft_vocab))
+    heads.set_draft_vocab(draft_vocab)
     result = train_medusa(heads, data, data, steps=120, lr=3e-3, batch_size=64, eval_every=120,
                           progress=False)
     assert result["val_acceptance"] > 1.5, result  # it learned the outputs it was shown
