@@ -1,7 +1,8 @@
 """Medusa and EAGLE heads against plain decoding, the lookahead proposer and HF transformers, in one run.
 
 Heads are trained here first when their directories are missing (scripts/train_medusa.py and
-scripts/train_eagle.py, self-distillation on the shipped training prompts, sharing one corpus,
+scripts/train_eagle.py, self-distillation sharing one corpus: for the default model the
+greedy answers shipped in speculators/data, else written from the shipped training prompts;
 --train-minutes each). Then, on held-out chat prompts (speculators/data/heldout_prompts.jsonl,
 none of them seen in training), greedy, single stream, every system in turn for --repeats
 interleaved rounds after a warm-up, the median round shown:
@@ -56,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eagle-head", default="models/eagle-smollm2", help="EAGLE checkpoint; trained when missing")
     p.add_argument("--eagle3-head", default="models/eagle3-smollm2",
                    help="EAGLE-3 checkpoint; trained when missing (--eagle3 --unroll 3); 'none' to leave out")
-    p.add_argument("--corpus", default="models/heads-corpus-smollm2.jsonl",
-                   help="the target's answers both trainings share (written when missing)")
+    p.add_argument("--corpus", default=None,
+                   help="the target's answers the trainings share, written when missing (default: the answers "
+                        "shipped for the default model, else the training scripts' own)")
     p.add_argument("--train-minutes", type=float, default=20.0, help="training budget per head (default: 20)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens per request (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds; the median is shown (default: 2)")
@@ -87,8 +89,8 @@ def selected(args, key: str) -> bool:
 
 
 def ensure_heads(args) -> None:
-    common = ["--model", args.model, "--corpus", args.corpus, "--minutes", str(args.train_minutes),
-              "--device", args.device]
+    common = (["--model", args.model, "--minutes", str(args.train_minutes), "--device", args.device]
+              + (["--corpus", args.corpus] if args.corpus else []))
     if selected(args, "medusa-") and not Path(args.medusa_heads).exists():
         import train_medusa
         print(f"training Medusa heads -> {args.medusa_heads}", file=sys.stderr)

@@ -26,6 +26,7 @@ a prompt set, and heads learn to predict what the target does next.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -53,6 +54,15 @@ def default_prompt_file(split: str = "train") -> Path:
     """The prompt sets shipped with the package: 'train' (424 prompts, trains in minutes),
     'train_large' (2,265, scripts/make_prompts.py) or 'heldout'."""
     return Path(str(resources.files("speculators") / "data" / f"{split}_prompts.jsonl"))
+
+
+def shipped_corpus(model: str) -> Path | None:
+    """The answers shipped with the package for this model, if any: the default model's
+    greedy answers (float32, 192 tokens at most) to the 2,265 'train_large' prompts, which
+    took this 2-core AVX2 CPU 79 minutes to write."""
+    from runtime.models.loader import DEFAULT_MODEL
+    path = Path(str(resources.files("speculators") / "data" / "smollm2-135m-train-large-greedy.jsonl.gz"))
+    return path if model == DEFAULT_MODEL and path.exists() else None
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list:
@@ -89,8 +99,13 @@ def generate_corpus(engine, prompts: list, max_tokens: int, temperature: float =
     return [s for s in samples if s is not None]
 
 
+def _open_corpus(path: str | Path, mode: str):
+    """A corpus file as text: gzip-compressed when its name ends in .gz."""
+    return gzip.open(path, mode + "t") if str(path).endswith(".gz") else open(path, mode)
+
+
 def save_corpus(samples: list[Sample], path: str | Path, model: str) -> None:
-    with open(path, "w") as f:
+    with _open_corpus(path, "w") as f:
         for s in samples:
             f.write(json.dumps({"model": model, "token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens})
                     + "\n")
@@ -98,7 +113,9 @@ def save_corpus(samples: list[Sample], path: str | Path, model: str) -> None:
 
 def load_corpus(path: str | Path, model: str) -> list[Sample]:
     samples = []
-    for line in Path(path).read_text().splitlines():
+    with _open_corpus(path, "r") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         record = json.loads(line)
         if record["model"] != model:
             raise ValueError(f"corpus {str(path)!r} was written by {record['model']!r}, not {model!r}")
@@ -116,7 +133,8 @@ def add_self_distillation_args(parser) -> None:
                                                 "shipped training prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--corpus", action="append", default=None,
-                   help="JSONL of the target's answers: read when it exists, else written (default: "
+                   help="JSONL (or .jsonl.gz) of the target's answers: read when it exists, else written "
+                        "(default: the answers shipped for the default model when --data is not given, else "
                         "OUT/corpus.jsonl). Repeat it for more training text: the second and later corpora "
                         "are answers sampled at --extra-temperature, with their own seeds")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens per answer (default: 192)")
@@ -139,7 +157,8 @@ def self_distillation_corpus(args):
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
-    paths = [Path(p) for p in args.corpus] if args.corpus else [Path(args.out) / "corpus.jsonl"]
+    shipped = shipped_corpus(args.model) if args.data is None and args.num_prompts is None else None
+    paths = [Path(p) for p in args.corpus] if args.corpus else [shipped or Path(args.out) / "corpus.jsonl"]
     prompts = (load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
                if not all(path.exists() for path in paths) else [])
     corpora = []

@@ -301,9 +301,9 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
     from speculators.training import save_corpus
     samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
                for p, out in zip(PROMPTS, plain_outputs)]
-    save_corpus(samples, tmp_path / "corpus.jsonl", "smollm2-135m")
+    save_corpus(samples, tmp_path / "corpus.jsonl.gz", "smollm2-135m")  # compressed, as shipped corpora are
     out = tmp_path / "resumed"
-    assert train_medusa.main(["--out", str(out), "--corpus", str(tmp_path / "corpus.jsonl"), "--init-heads",
+    assert train_medusa.main(["--out", str(out), "--corpus", str(tmp_path / "corpus.jsonl.gz"), "--init-heads",
                               str(trained_heads), "--steps", "2", "--lr", "0", "--device", "cpu",
                               "--dtype", "float32", "--val-fraction", "0.25"]) == 0
     lm_head = engine_f32.model.lm_head
@@ -341,3 +341,22 @@ def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(pl
     assert [s.token_ids for s in greedy] != [s.token_ids for s in sampled]  # sampled, not greedy again
     assert [s.token_ids for s in val] == [greedy[0].token_ids]
     assert sorted(s.token_ids for s in train) == sorted(s.token_ids for s in greedy[1:] + sampled[1:])
+
+
+def test_the_shipped_corpus_is_the_default_models_greedy_answers(engine_f32, generate):
+    """speculators/data's corpus (what training reads for the default model by default):
+    one answer per 'train_large' prompt, in order, and its answers are what our engine
+    writes greedily for those prompts (three of them, across the file, checked here)."""
+    from speculators.training import default_prompt_file, load_corpus, load_prompts, shipped_corpus
+    path = shipped_corpus("smollm2-135m")
+    assert path is not None and shipped_corpus("some-other-model") is None
+    samples = load_corpus(path, "smollm2-135m")
+    prompts = load_prompts(default_prompt_file("train_large"))
+    assert len(samples) == len(prompts)
+    picks = [0, len(prompts) // 2, len(prompts) - 1]
+    prompt_ids = [samples[i].token_ids[:samples[i].num_prompt_tokens] for i in picks]
+    assert prompt_ids == [engine_f32.tokenize(prompts[i]) for i in picks]
+    outputs = generate(engine_f32, prompt_ids, greedy(max_tokens=24))
+    for i, out in zip(picks, outputs):
+        answer = samples[i].token_ids[samples[i].num_prompt_tokens:]
+        assert answer and out[:len(answer)] == answer[:24]
