@@ -19,6 +19,7 @@ from speculators.tree import DraftTree
 
 IGNORE = -100  # a label the training cross-entropy skips; a target token outside a draft vocabulary
 
+
 @dataclass(slots=True)
 class ProposalRequest:
     request_id: str
