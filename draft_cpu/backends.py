@@ -146,6 +146,16 @@ def describe_row_limits(limits: dict[tuple[int, int], int | None]) -> str:
     return f"int8 {', '.join(parts)}, float beyond"
 
 
+def ipex_can_prepack(ipex, dtype: torch.dtype) -> bool:
+    """Whether ipex.optimize may prepack weights of this dtype here: bf16 and fp16 prepacking
+    needs AVX-512 (or AVX-NE-CONVERT), and IPEX asserts without it (an AVX2 EPYC)."""
+    if dtype == torch.bfloat16:
+        return bool(ipex._C.onednn_has_bf16_support())
+    if dtype == torch.float16:
+        return bool(ipex._C.onednn_has_fp16_support())
+    return True
+
+
 def quantize_int8_ipex(model: nn.Module, ipex) -> int:
     from intel_extension_for_pytorch.nn.modules.weight_only_quantization import WeightOnlyQuantizedLinear
     from intel_extension_for_pytorch.quantization import WoqLowpMode, get_weight_only_quant_qconfig_mapping
@@ -194,8 +204,10 @@ def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
         if quantization == "int8":
             parts.append(f"int8 weight-only (IPEX WOQ, {quantize_int8_ipex(model, ipex)} linear layers)")
         else:
-            ipex.optimize(model, dtype=model.dtype, inplace=True)
-            parts.append("prepacked linear weights")
+            prepack = ipex_can_prepack(ipex, model.dtype)
+            ipex.optimize(model, dtype=model.dtype, inplace=True, weights_prepack=prepack)
+            parts.append("prepacked linear weights" if prepack else
+                         f"linear weights not prepacked (oneDNN has no {str(model.dtype)[6:]} kernels on this CPU)")
     elif quantization == "int8":
         parts.append(f"int8 weight-only (torch, {describe_row_limits(quantize_int8_torch(model))})")
     if device.type == "cpu":
