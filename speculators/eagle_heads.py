@@ -51,7 +51,7 @@ from torch import nn
 
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
-from speculators.base import IGNORE
+from speculators.draft_vocab import DraftVocabulary
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -146,7 +146,7 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocabulary, nn.Module):
     """fc(target layers' inputs) -> the state; [embed, state] -> one layer -> the next state."""
 
     regresses_features = False
@@ -162,8 +162,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(self.config, norm_before_residual)
         self.norm = RMSNorm(h, self.config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # target id - draft id
-        self.register_buffer("_t2d", torch.arange(config.vocab_size), persistent=False)  # draft id or IGNORE
+        self.init_draft_vocab(config.vocab_size, draft_vocab_size)
         self.rotary = RotaryEmbedding(self.config)
         self._shared = (embed_tokens,)  # the target's; not a submodule, not in state_dict
 
@@ -171,24 +170,8 @@ class Eagle3Head(nn.Module):
     def dtype(self) -> torch.dtype:  # a norm's: linear layers may be quantized (draft_cpu.backends)
         return self.norm.weight.dtype
 
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.d2t.numel()
-
     def set_shared(self, embed_tokens: nn.Module, lm_head: nn.Module | None = None) -> None:
         self._shared = (embed_tokens,)
-
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """The target tokens draft ids 0.. stand for ([Vd], distinct, ascending)."""
-        token_ids = token_ids.to(self.d2t.device)
-        if token_ids.shape != self.d2t.shape:
-            raise ValueError(f"a draft vocabulary of {token_ids.numel()} tokens for a head of {self.d2t.numel()}")
-        self.d2t.copy_(token_ids - torch.arange(len(token_ids), device=token_ids.device))
-        self._t2d.fill_(IGNORE)
-        self._t2d[token_ids] = torch.arange(len(token_ids), device=token_ids.device)
-
-    def _after_load(self) -> None:
-        self.set_draft_vocab(self.target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device)))
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden[..., self.target_hidden_size:]  # the feature layers' inputs
@@ -207,12 +190,6 @@ class Eagle3Head(nn.Module):
     def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
         # [N, h] -> [N, Vd] float32
         return self.lm_head(self.norm(states)).float()
-
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        return self._t2d[target_ids]
 
     def config_dict(self) -> dict:
         c = self.config
@@ -311,7 +288,7 @@ def load_public_state(head, tensors: dict[str, torch.Tensor], source: str) -> No
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
     if isinstance(head, Eagle3Head):
-        head._after_load()
+        head.refresh_draft_vocab()
 
 
 # ---- files ------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators.base import IGNORE, ProposalRequest, Proposer, frozen_on
+from speculators.base import ProposalRequest, Proposer, frozen_on
+from speculators.draft_vocab import DraftVocabulary
 from speculators.tree import DraftTree
 
 log = logging.getLogger("speculators.medusa")
@@ -61,7 +62,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabulary, nn.Module):
     """K heads; forward(hidden [N, H]) -> logits [N, K, Vd] (float32) over the draft
     vocabulary: all V target tokens, or the Vd < V tokens the target writes most (draft id
     i is target token i + d2t[i], as in EAGLE-3's layout; a smaller projection, 6x cheaper
@@ -72,49 +73,28 @@ class MedusaHeads(nn.Module):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
-        draft_vocab_size = draft_vocab_size or vocab_size
-        if not 0 < draft_vocab_size <= vocab_size:
-            raise ValueError(f"a draft vocabulary of {draft_vocab_size} tokens for a target of {vocab_size}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
         self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
                                     for _ in range(num_heads))
+        draft_vocab_size = draft_vocab_size or vocab_size
+        self.init_draft_vocab(vocab_size, draft_vocab_size)
         self.lm_heads = None if shared_lm_head is not None else nn.ModuleList(
             nn.Linear(hidden_size, draft_vocab_size, bias=False) for _ in range(num_heads))
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # target id - draft id
-        self.register_buffer("_t2d", torch.arange(vocab_size), persistent=False)  # draft id or IGNORE
         # the shared LM head's rows of the draft vocabulary [Vd, H] (derived, not saved)
         self.register_buffer("_shared_rows", torch.empty(0), persistent=False)
         self._shared = (shared_lm_head,)  # a tuple: not a submodule, so not in state_dict or parameters()
-        self._refresh_shared_rows()
+        self.on_draft_vocab_change()
 
     @property
     def shares_lm_head(self) -> bool:
         return self.lm_heads is None
 
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.d2t.numel()
-
     def set_shared_lm_head(self, lm_head: nn.Module) -> None:
         self._shared = (lm_head,)
-        self._refresh_shared_rows()
+        self.on_draft_vocab_change()
 
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """token_ids [Vd]: the target ids of the draft vocabulary, ascending."""
-        token_ids = token_ids.to(self.d2t.device)
-        if token_ids.shape != self.d2t.shape:
-            raise ValueError(f"a draft vocabulary of {token_ids.numel()} tokens for heads of {self.d2t.numel()}")
-        self.d2t.copy_(token_ids - torch.arange(len(token_ids), device=token_ids.device))
-        self._refresh_t2d()
-        self._refresh_shared_rows()
-
-    def _refresh_t2d(self) -> None:
-        ids = self.target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device))
-        self._t2d.fill_(IGNORE)
-        self._t2d[ids] = torch.arange(len(ids), device=ids.device)
-
-    def _refresh_shared_rows(self) -> None:
+    def on_draft_vocab_change(self) -> None:
         lm_head = self._shared[0]
         if lm_head is None or self.draft_vocab_size == self.vocab_size:
             self._shared_rows = torch.empty(0, device=self.d2t.device)
@@ -124,16 +104,7 @@ class MedusaHeads(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._refresh_t2d()
-        self._refresh_shared_rows()
-
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids -> draft ids; IGNORE for tokens outside the draft vocabulary (and for IGNORE)."""
-        valid = target_ids >= 0
-        return torch.where(valid, self._t2d[target_ids.clamp_min(0)], IGNORE)
+        self.refresh_draft_vocab()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> each head's input to its projection [N, K, H]."""
