@@ -2,7 +2,7 @@
 
 The target answers a prompt set (default: the package's speculators/data/train_prompts.jsonl)
 through our engine, its hidden states (features) are recorded, and the head learns to
-predict the target's token after next (speculators/training.py). An EAGLE-1/2 head reads
+predict the target's token after next (speculators/training_eagle.py). An EAGLE-1/2 head reads
 the final hidden state, guesses the next one (feature regression, with EAGLE's feature
 noise) and shares the target's LM head. With --eagle3, an EAGLE-3 head reads three
 layers' inputs and has its own LM head over the --draft-vocab tokens the target writes
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head  # noqa: E402
-from speculators.training import (add_self_distillation_args, draft_vocabulary, eagle_data,  # noqa: E402
-                                  self_distillation_corpus, train_eagle)
+from speculators.training import add_self_distillation_args, draft_vocabulary, self_distillation_corpus  # noqa: E402
+from speculators.training_eagle import eagle_data, train_eagle  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 
 The target answers a prompt set (default: the package's speculators/data/train_prompts.jsonl)
 through our engine, its hidden states are recorded, and K heads learn to predict the
-target's own next tokens (speculators/training.py). Writes a checkpoint in the public
+target's own next tokens (speculators/training_medusa.py). Writes a checkpoint in the public
 Medusa layout (medusa_lm_head.safetensors + config.json) that `--speculator medusa
 --medusa-heads DIR` loads.
 
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from speculators.medusa import MedusaHeads, load_heads, save_heads  # noqa: E402
-from speculators.training import (add_self_distillation_args, draft_vocabulary, medusa_data,  # noqa: E402
-                                  self_distillation_corpus, train_medusa)
+from speculators.training import add_self_distillation_args, draft_vocabulary, self_distillation_corpus  # noqa: E402
+from speculators.training_medusa import medusa_data, train_medusa  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -79,13 +79,13 @@ def main(argv=None) -> int:
              "training": {"corpora": args.corpus, "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "init_heads": args.init_heads}}
 
-    def checkpoint(step, val_loss, val_acceptance):
-        save_heads(heads, out, {**extra, "step": step, "val_loss": val_loss, "val_acceptance": val_acceptance})
+    def checkpoint(figures):
+        save_heads(heads, out, {**extra, **figures})
 
     result = train_medusa(heads, train, val, args.steps, args.lr, args.batch_size,
                           None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint)
-    print(f"trained in {time.perf_counter() - start:.0f} s: validation top-1 chain acceptance "
-          f"{result['val_acceptance']:.2f} (loss {result['val_loss']:.3f}) -> {out}")
+    print(f"trained in {time.perf_counter() - start:.0f} s: validation acceptance {result['val_tree_acceptance']:.2f} "
+          f"(tree), {result['val_chain_acceptance']:.2f} (top-1 chain), loss {result['val_loss']:.3f} -> {out}")
     engine.close()
     return 0
 

@@ -3,7 +3,7 @@ Lookahead Cache (`lookahead`), a draft model (`draft`, run by draft_cpu's worker
 heads on the target's hidden state (`medusa`), and an EAGLE head drafting EAGLE-2 trees
 from the target's features (`eagle`); several at once, their trees merged
 (`eagle+lookahead`, speculators/composite.py). Medusa and EAGLE heads are trained by
-self-distillation (speculators/training.py).
+self-distillation (speculators/training.py, training_medusa.py, training_eagle.py).
 
 `build_proposer(name, config, target)` makes one from the engine's settings
 (runtime.config.EngineConfig) and what it knows of the target (TargetInfo).

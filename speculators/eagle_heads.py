@@ -18,7 +18,7 @@ the residual. Its output state goes through its own final norm and its own LM he
 a draft vocabulary (the most frequent tokens; draft id i is target token i + d2t[i]), and
 is, as it is, the next drafting step's input state.
 
-Both offer the proposer (speculators/eagle.py) and the trainer (speculators/training.py)
+Both offer the proposer (speculators/eagle.py) and the trainer (speculators/training_eagle.py)
 one interface:
   target_features(hidden [n, H']) -> [n, F]  the part of the target's hidden states it reads
                                               (ModelRunner.execute: final state, then layer inputs)

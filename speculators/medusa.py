@@ -279,6 +279,18 @@ class CompiledTree:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def candidates(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's nodes for a batch of the heads' distributions, probs [B, D, V] (D >=
+        max_depth): (draft ids [B, n], path values [B, n]: the product of the heads'
+        probabilities from the root down to each node)."""
+        top = probs[:, :self.max_depth].topk(self.top_k, dim=-1)  # values, indices [B, D, k]
+        depth_index, rank_index = torch.tensor(self.depths) - 1, torch.tensor(self.ranks)  # [n] each
+        node_probs = top.values[:, depth_index, rank_index]  # [B, n]
+        values = torch.empty_like(node_probs)  # parents come first in (depth, path) order
+        for i, parent in enumerate(self.parents):
+            values[:, i] = node_probs[:, i] if parent < 0 else values[:, parent] * node_probs[:, i]
+        return top.indices[:, depth_index, rank_index], values
+
 
 # ---- the proposer ------------------------------------------------------------------------------
 
@@ -302,15 +314,9 @@ class MedusaProposer(Proposer):
             return trees
         tree = self.tree
         hidden = torch.stack([requests[i].last_hidden for i in rows]).to(self.device, self.dtype)  # [B, H]
-        logits = self.heads(hidden)[:, :tree.max_depth]  # [B, D, V]
-        top = logits.softmax(dim=-1).topk(tree.top_k, dim=-1)  # values, indices [B, D, k]
-        depth_index = torch.tensor(tree.depths) - 1  # [n]
-        rank_index = torch.tensor(tree.ranks)  # [n]
-        node_probs = top.values[:, depth_index, rank_index].cpu()  # [B, n]
-        node_tokens = self.heads.target_ids(top.indices[:, depth_index, rank_index]).cpu()  # [B, n]
-        values = torch.empty_like(node_probs)  # [B, n] path probability
-        for i, parent in enumerate(tree.parents):
-            values[:, i] = node_probs[:, i] if parent < 0 else values[:, parent] * node_probs[:, i]
+        logits = self.heads(hidden)[:, :tree.max_depth]  # [B, D, Vd]
+        draft_ids, values = tree.candidates(logits.softmax(dim=-1))  # [B, n] each
+        node_tokens, values = self.heads.target_ids(draft_ids).cpu(), values.cpu()  # [B, n] each
         for b, i in enumerate(rows):
             trees[i] = self._best_nodes(requests[i], values[b].tolist(), node_tokens[b].tolist())
         return trees

@@ -1,4 +1,4 @@
-"""EAGLE (speculators/eagle.py, speculators/training.py) on the default model.
+"""EAGLE (speculators/eagle.py, speculators/training_eagle.py) on the default model.
 
 - Features: a proposer that reads features receives, over a whole speculative run, the
   target's hidden state at every committed position (with EAGLE-3 feature layers, those
@@ -26,7 +26,8 @@ from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.eagle import EagleProposer, _best_tree, _Node
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head, to_public_names
-from speculators.training import Sample, eagle_data, train_eagle
+from speculators.training import Sample
+from speculators.training_eagle import eagle_data, train_eagle
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -292,7 +293,8 @@ def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving(kind):
     (tokens teacher-forced): a dense causal pass over the states made from the target's
     features at the context (EAGLE-1: the features; EAGLE-3: fc of them), followed by the
     head's own output states along the chain, written here step by step."""
-    from speculators.training import dense_causal_attention, unrolled_predictions
+    from speculators.training import dense_causal_attention
+    from speculators.training_eagle import unrolled_predictions
     head, tokens, features = unroll_case(kind)
     t, unroll = len(tokens), 3
     steps = unrolled_predictions(head, tokens, features, unroll)

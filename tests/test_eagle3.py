@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
-from speculators.training import (Sample, dense_causal_attention, draft_vocabulary, eagle_data, target_states,
-                                  train_eagle)
+from speculators.training import Sample, dense_causal_attention, draft_vocabulary, target_states
+from speculators.training_eagle import eagle_data, train_eagle
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",

@@ -1,4 +1,4 @@
-"""Medusa heads (speculators/medusa.py, speculators/training.py) on the default model.
+"""Medusa heads (speculators/medusa.py, speculators/training_medusa.py) on the default model.
 
 - Tree compile: a choices list gives the expected parents, depths, ranks and attention
   mask; bad lists fail clearly.
@@ -25,7 +25,8 @@ from speculators.base import ProposalRequest
 from speculators.medusa import (CompiledTree, MedusaHeads, MedusaProposer, default_choices, load_choices,
                                 load_heads, save_heads)
 from speculators.base import IGNORE
-from speculators.training import Sample, draft_vocabulary, medusa_data, medusa_labels, train_medusa
+from speculators.training import Sample, draft_vocabulary
+from speculators.training_medusa import medusa_data, medusa_labels, train_medusa, tree_acceptance
 from speculators.tree import DraftTree
 
 PROMPTS = [
@@ -194,6 +195,41 @@ def test_proposer_keeps_the_best_nodes_within_budget_and_width():
     assert proposer.propose([ProposalRequest("r", [1], 1, 4, 3, params)]) == [DraftTree([], [])]  # no hidden yet
 
 
+
+def test_validation_tree_acceptance_is_what_verifying_the_proposers_tree_accepts():
+    # the proposer's trees for random heads, walked as greedy verification walks them
+    # (at each depth the child holding the target's token, if any), against labels drawn
+    # from each head's top candidates so that paths often match
+    torch.manual_seed(2)
+    hidden, vocab, num_heads, max_nodes, n = 8, 12, 3, 7, 200
+    heads = MedusaHeads(hidden, vocab, num_heads, 1, None)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    tree = CompiledTree(default_choices(num_heads))
+    proposer = MedusaProposer(heads, tree, torch.device("cpu"))
+    states = torch.randn(n, hidden)
+    with torch.no_grad():
+        logits = heads(states)  # [n, K, V]
+    top3 = logits.topk(3, dim=-1).indices  # [n, K, 3]
+    labels = top3.gather(2, torch.randint(0, 3, (n, num_heads, 1))).squeeze(2)  # [n, K]
+    labels[::5, 1] = IGNORE  # a missing label ends the accepted path there
+    params = SamplingParams(temperature=0.0)
+    accepted = []
+    for row in range(n):
+        [draft] = proposer.propose([ProposalRequest("r", [1, 2], 1, max_nodes, 3, params, last_hidden=states[row])])
+        node, depth = -1, 0
+        while depth < num_heads:
+            children = [i for i in range(len(draft)) if draft.parents[i] == node
+                        and draft.token_ids[i] == int(labels[row, depth])]
+            if not children:
+                break
+            node, depth = children[0], depth + 1
+        accepted.append(1 + depth)
+    assert 1.3 < sum(accepted) / n  # the labels match often enough for the check to mean something
+    assert tree_acceptance(logits, labels, tree, max_nodes) == pytest.approx(sum(accepted) / n)
+    assert tree_acceptance(logits, labels, CompiledTree([(0,), (0, 0), (0, 0, 0)]), 3) == pytest.approx(
+        1 + (logits.argmax(-1) == labels).int().cumprod(dim=1).sum(dim=1).float().mean())  # a chain: chain acceptance
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -216,7 +252,7 @@ def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
     heads.set_draft_vocab(draft_vocab)
     result = train_medusa(heads, data, data, steps=120, lr=3e-3, batch_size=64, eval_every=120,
                           progress=False)
-    assert result["val_acceptance"] > 1.5, result  # it learned the outputs it was shown
+    assert result["val_chain_acceptance"] > 1.5, result  # it learned the outputs it was shown
     return save_heads(heads, tmp_path_factory.mktemp("medusa") / "trained")
 
 

@@ -1,0 +1,185 @@
+"""EAGLE heads' self-distillation (the corpus and the target's states: speculators/training.py).
+
+The head reads (f_p, token p + 1) for every p of a sample in one causal pass (EAGLE's
+uniform noise on the input features) and is scored by the cross-entropy of its draft
+distribution against the target's greedy token at p + 2 (its argmax after token p + 1:
+the token it wrote, in a greedy corpus; in a sampled one, the choice a greedy request
+would verify, where the written token is a draw); an EAGLE-1 head also against f_{p+1}
+(smooth L1, with the cross-entropy weighted 0.1). EAGLE-3 features are three target
+layers' inputs, and its draft vocabulary the corpus's most frequent answer tokens
+(`training.draft_vocabulary`). With unroll > 1 the head is also trained on its own drafts
+(EAGLE-3's training-time test). Validation: depth-1 top-1 accuracy, teacher-forced.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from speculators.base import IGNORE
+from speculators.training import Sample, autocast, dense_causal_attention, optimizer_with_schedule, target_states
+
+
+@dataclass(slots=True)
+class EagleSample:
+    token_ids: torch.Tensor  # [T]
+    features: torch.Tensor  # [T, F] bfloat16: the target's features the head reads (head.target_features)
+    greedy: torch.Tensor  # [T] the target's greedy token after each position
+    answer_start: int  # first position p whose token p + 2 the target wrote
+
+
+def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> list[EagleSample]:
+    """The samples with the target's features (kept in bfloat16, which the head's bf16
+    autocast reads anyway: half the memory of a large corpus) and greedy tokens."""
+    out = []
+    samples = [s for s in samples if len(s.token_ids) >= 3]
+    for s, hidden, greedy in target_states(model, samples, head.feature_layers, progress=progress):
+        out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).to(torch.bfloat16).contiguous(),
+                               greedy, max(s.num_prompt_tokens - 2, 0)))
+    return out
+
+
+class UnrolledAttention:
+    """Attention for unroll step k of the head over a whole sample ("training-time test",
+    EAGLE-3: Li et al. 2025): the query at position p is the head's depth-(k+1) draft
+    from context p - k. It sees what the head would have in its KV cache when drafting
+    there: step 0's entries (made from the target's own features) at positions <= p - k,
+    and one entry of each later step j <= k, its own chain, at position p - k + j."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []  # per step: [T, Hkv, D]
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D] of this step -> [T, Hq, D]
+        self.keys.append(k)
+        self.values.append(v)
+        step, t = len(self.keys) - 1, q.shape[0]
+        if step == 0:
+            return dense_causal_attention(layer_idx, q, k, v)
+        p = torch.arange(t, device=q.device)
+        sees_context = p[None, :] <= p[:, None] - step  # [T, T] step 0's entries
+        chain = [p[None, :] == p[:, None] - step + j for j in range(1, step + 1)]  # [T, T] each
+        mask = torch.cat([sees_context] + chain, dim=1)  # [T, (step + 1) T]
+        mask[:, 0] |= ~mask.any(dim=1)  # rows with no valid key (p < step, never scored) stay finite
+        group = q.shape[1] // k.shape[1]
+        keys = torch.cat(self.keys).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, (step + 1) T, D]
+        values = torch.cat(self.values).repeat_interleave(group, dim=1).transpose(0, 1)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return out.transpose(0, 1)  # [T, Hq, D]
+
+
+def unrolled_predictions(head, tokens: torch.Tensor, features: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The head's output states at every p, for steps 0..unroll-1 ([T-1, h] each): step 0's
+    input at p is made from the target's features f_p, [T-1, F] (perhaps noised), and the
+    token p + 1 of tokens [T]; step k + 1's input at p is step k's output at p - 1 (at
+    p = 0, never scored, step 0's input)."""
+    positions = torch.arange(len(tokens) - 1, device=tokens.device)
+    attention = UnrolledAttention() if unroll > 1 else dense_causal_attention
+    states = head.project(features)  # [T-1, h]
+    steps = []
+    for _ in range(unroll):
+        steps.append(head(tokens[1:], positions, states, attention))  # [T-1, h]
+        states = torch.cat([states[:1], steps[-1][:-1]])
+    return steps
+
+
+def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float | None = None, unroll: int = 1,
+               decay: float = 0.8):
+    """(loss, depth-1 top-1 hits, positions).
+
+    Input p = 0..T-2 is (f_p, token p + 1); its draft distribution is scored against the
+    target's greedy token at p + 2 (cross-entropy over the draft vocabulary; answer
+    positions only, tokens outside the draft vocabulary skipped), and an EAGLE-1 head's
+    output also against f_{p+1} (smooth L1; the cross-entropy weighted ce_weight, default
+    0.1, else 1). With unroll > 1 the head then drafts on from its own outputs, as it does
+    when serving (training-time test, unrolled_predictions): step k is scored against the
+    same targets where p >= k, with weight decay^k. Hits count step 0 only."""
+    device = head.fc.weight.device
+    tokens, feats = sample.token_ids.to(device), sample.features.to(device, torch.float32)
+    greedy = sample.greedy.to(device)
+    if ce_weight is None:
+        ce_weight = 0.1 if head.regresses_features else 1.0
+    t = len(tokens)
+    inputs = feats[:-1]
+    if noise:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise  # EAGLE's uniform feature noise
+    start = sample.answer_start
+    total, hits = 0.0, 0
+    for step, predicted in enumerate(unrolled_predictions(head, tokens, inputs, unroll)):
+        # step k drafts from a real context at p >= k; tokens are scored on the answer only
+        loss = 0.0
+        if head.regresses_features:
+            loss = nn.functional.smooth_l1_loss(predicted[step:].float(), feats[1 + step:])
+        first = max(start, step)
+        logits = head.draft_logits(predicted[first:t - 2])  # [n, Vd] token p + 2
+        targets = greedy[first + 1:t - 1]  # [n] the target's token p + 2
+        labels = head.draft_ids(targets)  # [n], IGNORE outside the draft vocabulary
+        if (labels != IGNORE).any():
+            loss = loss + ce_weight * nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        total = total + decay ** step * loss
+        if step == 0:
+            hits = int((head.target_ids(logits.argmax(dim=-1)) == targets).sum())
+    if not torch.is_tensor(total):  # nothing to score: a zero that still backpropagates
+        total = predicted.sum() * 0.0
+    return total, hits, max(t - 2 - start, 0)
+
+
+@torch.no_grad()
+def evaluate_eagle(head, samples: list[EagleSample]) -> tuple[float, float]:
+    """(loss, depth-1 top-1 accuracy) over samples, teacher-forced."""
+    head.eval()
+    total, hits, n = 0.0, 0, 0
+    for s in samples:
+        with autocast(head):
+            loss, h, k = eagle_loss(head, s)
+        total, hits, n = total + float(loss), hits + h, n + k
+    head.train()
+    return total / max(len(samples), 1), hits / max(n, 1)
+
+
+def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: int, lr: float = 3e-4,
+                sequences_per_step: int = 4, noise: float = 0.1, max_seconds: float | None = None,
+                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True, unroll: int = 1) -> dict:
+    """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples,
+    the head unrolled `unroll` drafting steps on each (eagle_loss)."""
+    from tqdm import tqdm
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer, schedule = optimizer_with_schedule(params, lr, steps, betas=(0.9, 0.95))
+    rng = random.Random(seed)
+    order: list[int] = []
+    start = time.perf_counter()
+    head.train()
+    result = {}
+    bar = tqdm(range(1, steps + 1), desc="training the EAGLE head", unit="step", disable=not progress)
+    for step in bar:
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(sequences_per_step):
+            if not order:
+                order = list(range(len(train)))
+                rng.shuffle(order)
+            with autocast(head):
+                loss, _, _ = eagle_loss(head, train[order.pop()], noise, unroll=unroll)
+            (loss / sequences_per_step).backward()
+            total += float(loss.detach()) / sequences_per_step
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(loss=f"{total:.3f}")
+        out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
+            val_loss, val_acc = evaluate_eagle(head, val)
+            result = {"step": step, "val_loss": val_loss, "val_accuracy": val_acc,
+                      "seconds": time.perf_counter() - start}
+            bar.write(f"step {step}: validation loss {val_loss:.3f}, depth-1 top-1 accuracy {val_acc:.2f}")
+            if on_eval is not None:
+                on_eval(step, val_loss, val_acc)
+        if out_of_time:
+            break
+    bar.close()
+    head.eval()
+    return result

@@ -1,0 +1,182 @@
+"""Medusa heads' self-distillation (the corpus and the target's states: speculators/training.py).
+
+Head k learns, from the target's final hidden state at position p, the target's greedy
+token at p + 2 + k along the written path (`medusa_labels`; in a greedy corpus the written
+token), by cross-entropy per head with later heads weighted down, on answer positions only
+(the prompt is the user's text, not the target's). Soft labels (the target's distribution
+there) were tried: the same validation acceptance per step at twice the cost per step on
+a CPU, so the greedy tokens are the labels.
+
+Validation, on held-out answers: the mean accepted length of the heads' top-1 chain (1, the
+target's own token, plus how many heads in a row guess right), and of the tree a greedy
+request would verify (`tree_acceptance`: the proposer's best nodes of the Medusa tree; in
+a greedy corpus the labels are the target's own continuation, so this is the fixed-tree
+acceptance length verification would give at those positions).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from speculators.base import IGNORE
+from speculators.training import Sample, autocast, optimizer_with_schedule, target_states
+
+log = logging.getLogger("speculators.training")
+
+
+@dataclass(slots=True)
+class MedusaData:
+    features: torch.Tensor  # [N, H] the target's hidden state at position p
+    labels: torch.Tensor  # [N, K] the target's token at p + 2 + k, IGNORE past the sample's end
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+
+def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = True) -> MedusaData:
+    """Features and labels of every answer position of every sample (medusa_labels)."""
+    features, labels = [], []
+    for s, hidden, greedy in target_states(model, samples, greedy=True, progress=progress):
+        positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
+        if not len(positions):
+            continue
+        features.append(hidden[positions])
+        labels.append(medusa_labels(torch.tensor(s.token_ids), greedy, positions, num_heads))
+    return MedusaData(torch.cat(features), torch.cat(labels))
+
+
+def medusa_labels(tokens: torch.Tensor, greedy: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Head k's label at position p [n, K]: the token a greedy request would verify at
+    p + 2 + k, the target's argmax there (greedy [T]: after each position) along the
+    written path (tokens [T]); IGNORE once the written tokens p + 1 .. p + 1 + k leave the
+    greedy path (a sampled corpus: the heads see only h_p, so they are taught the greedy
+    continuation, not a draw they cannot know) and past the sample's written end. In a
+    greedy corpus these are the written tokens."""
+    t = len(tokens)
+    on_path = torch.cat([tokens[1:] == greedy[:-1], torch.zeros(num_heads + 2, dtype=torch.bool)])  # [T + K + 1]
+    greedy = torch.cat([greedy, torch.full((num_heads + 2,), IGNORE, dtype=greedy.dtype)])
+    steps = torch.arange(num_heads)  # [K]
+    index = positions[:, None] + steps[None, :]  # [n, K] p + k
+    still_greedy = on_path[index].int().cumprod(dim=1).bool()  # written p + 1 .. p + 1 + k are greedy
+    inside = index + 2 < t  # token p + 2 + k was written
+    return torch.where(still_greedy & inside, greedy[index + 1], IGNORE)  # [n, K]
+
+
+def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
+    return decay ** torch.arange(num_heads, dtype=torch.float32)  # [K]
+
+
+def medusa_loss(heads, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy per head against the labels, later heads weighted down, tokens
+    outside the draft vocabulary skipped; logits [N, K, Vd]). labels [N, K] are target ids."""
+    device = next(heads.parameters()).device
+    features, labels = features.to(device), heads.draft_ids(labels.to(device))  # [N, H], [N, K] draft ids
+    logits = heads(features)  # [N, K, Vd]
+    k = logits.shape[1]
+    per_position = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=IGNORE, reduction="none").view(-1, k)  # [N, K]
+    valid = (labels != IGNORE).float()
+    per_head = (per_position * valid).sum(0) / valid.sum(0).clamp_min(1.0)  # [K]
+    return (per_head * head_weights(k).to(device)).sum(), logits
+
+
+def chain_acceptance(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean tokens per step of the heads' top-1 chain: 1 + the heads in a row that guess
+    right (a missing label ends the chain). logits [N, K, V], labels [N, K]."""
+    hits = logits.argmax(dim=-1) == labels.to(logits.device)  # [N, K]
+    run = hits.int().cumprod(dim=1).sum(dim=1)  # [N]
+    return 1.0 + float(run.float().mean()) if len(run) else 1.0
+
+
+def tree_acceptance(logits: torch.Tensor, labels: torch.Tensor, tree, max_nodes: int) -> float:
+    """Mean tokens per step of the tree a greedy request would verify: the proposer's best
+    max_nodes nodes of `tree` (speculators.medusa.CompiledTree) by path probability, and 1
+    + the depth of the deepest of them whose whole path guesses right. logits [N, K, V],
+    labels [N, K] in the same (draft) ids."""
+    if not len(logits):
+        return 1.0
+    draft_ids, values = tree.candidates(logits.float().softmax(dim=-1))  # [N, n] each
+    kept = torch.zeros_like(values, dtype=torch.bool)  # [N, n]
+    kept.scatter_(1, values.topk(min(max_nodes, len(tree)), dim=1).indices, True)
+    depth_index = torch.tensor(tree.depths, device=labels.device) - 1  # [n]
+    right = kept & (draft_ids == labels.to(draft_ids.device)[:, depth_index])  # [N, n]
+    for i, parent in enumerate(tree.parents):  # parents first: a node counts when its whole path does
+        if parent >= 0:
+            right[:, i] &= right[:, parent]
+    depths = torch.tensor(tree.depths, device=right.device)  # [n]
+    return 1.0 + float((right * depths).amax(dim=1).float().mean())
+
+
+@torch.no_grad()
+def evaluate_medusa(heads, data: MedusaData, tree=None, max_nodes: int | None = None,
+                    batch_size: int = 512) -> dict:
+    """{val_loss, val_chain_acceptance, val_tree_acceptance} over data (tree_acceptance:
+    `tree`, default the heads' default tree, cut to max_nodes, default Medusa's node budget)."""
+    from runtime.config import DEFAULT_SPECULATIVE_TOKENS
+    from speculators.medusa import CompiledTree, default_choices
+    tree = tree or CompiledTree(default_choices(heads.num_heads))
+    max_nodes = max_nodes or DEFAULT_SPECULATIVE_TOKENS["medusa"]
+    heads.eval()
+    total_loss, chain, in_tree, n = 0.0, 0.0, 0.0, 0
+    for start in range(0, len(data), batch_size):
+        x, y = data.features[start:start + batch_size], data.labels[start:start + batch_size]
+        with autocast(heads):
+            loss, logits = medusa_loss(heads, x, y)
+        labels = heads.draft_ids(y.to(logits.device))  # [b, K]
+        total_loss += float(loss) * len(x)
+        chain += (chain_acceptance(logits, labels) - 1.0) * len(x)
+        in_tree += (tree_acceptance(logits, labels, tree, max_nodes) - 1.0) * len(x)
+        n += len(x)
+    heads.train()
+    n = max(n, 1)
+    return {"val_loss": total_loss / n, "val_chain_acceptance": 1.0 + chain / n,
+            "val_tree_acceptance": 1.0 + in_tree / n}
+
+
+def train_medusa(heads, train: MedusaData, val: MedusaData, steps: int, lr: float = 1e-3, batch_size: int = 256,
+                 max_seconds: float | None = None, eval_every: int = 200, seed: int = 0,
+                 on_eval=None, progress: bool = True) -> dict:
+    """AdamW with warm-up and cosine decay over `steps` (or until max_seconds); returns the
+    final validation figures (evaluate_medusa's, with step and seconds). on_eval(figures)
+    is called at each evaluation (e.g. to checkpoint)."""
+    from tqdm import tqdm
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer, schedule = optimizer_with_schedule(params, lr, steps, betas=(0.9, 0.999))
+    rng = random.Random(seed)
+    order: list[int] = []
+    start = time.perf_counter()
+    heads.train()
+    result = {}
+    bar = tqdm(range(1, steps + 1), desc="training Medusa heads", unit="step", disable=not progress)
+    for step in bar:
+        if len(order) < batch_size:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        batch, order = order[:batch_size], order[batch_size:]
+        with autocast(heads):
+            loss, _ = medusa_loss(heads, train.features[batch], train.labels[batch])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
+            result = {"step": step, **evaluate_medusa(heads, val), "seconds": time.perf_counter() - start}
+            message = (f"step {step}: validation loss {result['val_loss']:.3f}, acceptance of the top-1 chain "
+                       f"{result['val_chain_acceptance']:.2f}, of the tree {result['val_tree_acceptance']:.2f}")
+            log.info(message)
+            bar.write(message)
+            if on_eval is not None:
+                on_eval(result)
+        if out_of_time:
+            break
+    bar.close()
+    heads.eval()
+    return result
