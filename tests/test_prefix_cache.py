@@ -287,8 +287,6 @@ def test_eviction_under_a_tiny_pool_keeps_outputs_and_blocks(generate):
 def test_eagle_requests_do_not_read_the_cache(engine_f32):
     """A proposer that reads the target's features of every token (EAGLE) needs them
     computed: such sequences take nothing from the cache."""
-    from runtime.sequence import Sequence
-
     class FeatureReader:
         needs_features = True
 
