@@ -1,8 +1,9 @@
 """Medusa and EAGLE heads against plain decoding, the lookahead proposer and HF transformers, in one run.
 
 Heads are trained here first when their directories are missing (scripts/train_medusa.py and
-scripts/train_eagle.py, self-distillation sharing one corpus: for the default model the
-greedy answers shipped in speculators/data, else written from the shipped training prompts;
+scripts/train_eagle.py, self-distillation sharing their corpora: for the default model the
+answers shipped in speculators/data (greedy and sampled), else written from the shipped
+training prompts;
 --train-minutes each). Then, on held-out chat prompts (speculators/data/heldout_prompts.jsonl,
 none of them seen in training), greedy, single stream, every system in turn for --repeats
 interleaved rounds after a warm-up, the median round shown:

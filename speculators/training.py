@@ -36,13 +36,20 @@ def default_prompt_file(split: str = "train") -> Path:
     return Path(str(resources.files("speculators") / "data" / f"{split}_prompts.jsonl"))
 
 
-def shipped_corpus(model: str) -> Path | None:
-    """The answers shipped with the package for this model, if any: the default model's
-    greedy answers (float32, 192 tokens at most) to the 2,265 'train_large' prompts, which
-    took this 2-core AVX2 CPU 79 minutes to write."""
-    from runtime.models.loader import DEFAULT_MODEL
-    path = Path(str(resources.files("speculators") / "data" / "smollm2-135m-train-large-greedy.jsonl.gz"))
-    return path if model == DEFAULT_MODEL and path.exists() else None
+SHIPPED_CORPORA = {  # model alias -> its answers in speculators/data, greedy first
+    "smollm2-135m": ("smollm2-135m-train-large-greedy.jsonl.gz", "smollm2-135m-train-large-t0.8.jsonl.gz"),
+}
+
+
+def shipped_corpora(model: str) -> list[Path]:
+    """The answers shipped with the package for this model (none for other models): the
+    default model's answers to the 2,265 'train_large' prompts, 192 tokens at most, first
+    greedy (float32; 79 minutes on a 2-core AVX2 CPU), then sampled at temperature 0.8
+    (bf16, seed 2265 + the prompt's index, as a second --corpus writes them; 35 minutes on
+    a 2-core AMX Xeon)."""
+    folder = resources.files("speculators") / "data"
+    paths = [Path(str(folder / name)) for name in SHIPPED_CORPORA.get(model, ())]
+    return [path for path in paths if path.exists()]
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list:
@@ -137,8 +144,8 @@ def self_distillation_corpus(args):
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
-    shipped = shipped_corpus(args.model) if args.data is None and args.num_prompts is None else None
-    paths = [Path(p) for p in args.corpus] if args.corpus else [shipped or Path(args.out) / "corpus.jsonl"]
+    shipped = shipped_corpora(args.model) if args.data is None and args.num_prompts is None else []
+    paths = [Path(p) for p in args.corpus] if args.corpus else shipped or [Path(args.out) / "corpus.jsonl"]
     prompts = (load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
                if not all(path.exists() for path in paths) else [])
     corpora = []
