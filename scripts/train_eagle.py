@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head  # noqa: E402
-from speculators.training import add_self_distillation_args, draft_vocabulary, self_distillation_corpus  # noqa: E402
+from speculators.training import (add_self_distillation_args, corpus_paths, draft_vocabulary,  # noqa: E402
+                                  self_distillation_corpus)
 from speculators.training_eagle import eagle_data, train_eagle  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     print(f"{len(train)} training answers, {len(val)} validation answers")
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"corpora": args.corpus, "answers": len(train_samples) + len(val_samples),
+             "training": {"corpora": [path.name for path in corpus_paths(args)], "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
 
     def checkpoint(step, val_loss, val_accuracy):

@@ -136,6 +136,15 @@ def add_self_distillation_args(parser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def corpus_paths(args) -> list[Path]:
+    """The corpora the flags name: --corpus, else the default model's shipped answers when
+    no prompts are given, else OUT/corpus.jsonl."""
+    if args.corpus:
+        return [Path(p) for p in args.corpus]
+    shipped = shipped_corpora(args.model) if args.data is None and args.num_prompts is None else []
+    return shipped or [Path(args.out) / "corpus.jsonl"]
+
+
 def self_distillation_corpus(args):
     """(engine, training samples, validation samples) from the flags above. Each corpus is
     read when it exists, else the target writes it (and it is saved). Validation answers
@@ -144,8 +153,7 @@ def self_distillation_corpus(args):
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
-    shipped = shipped_corpora(args.model) if args.data is None and args.num_prompts is None else []
-    paths = [Path(p) for p in args.corpus] if args.corpus else shipped or [Path(args.out) / "corpus.jsonl"]
+    paths = corpus_paths(args)
     prompts = (load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
                if not all(path.exists() for path in paths) else [])
     corpora = []
