@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     print(f"{len(train)} training answers, {len(val)} validation answers")
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"corpora": [path.name for path in corpus_paths(args)], "answers": len(train_samples) + len(val_samples),
+             "training": {"corpora": [path.name for path in corpus_paths(args)],
+                          "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
 
     def checkpoint(step, val_loss, val_accuracy):

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     print(f"{len(train)} training positions, {len(val)} validation positions")
     model.requires_grad_(False)
     extra = {"base_model": args.model,
-             "training": {"corpora": [path.name for path in corpus_paths(args)], "answers": len(train_samples) + len(val_samples),
+             "training": {"corpora": [path.name for path in corpus_paths(args)],
+                          "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "init_heads": args.init_heads}}
 
     def checkpoint(figures):
