@@ -64,8 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1 (a torch.Generator seed), "
+                             f"got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

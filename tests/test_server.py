@@ -310,6 +310,7 @@ def test_malformed_json(served):
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, "seed"),  # beyond a torch.Generator's seeds
 ])
 def test_bad_fields(served, path, body, param):
     error = assert_error(httpx.post(f"{served.base_url}{path}", json=body))
