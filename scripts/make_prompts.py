@@ -18,9 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "speculators" / "data" / "train_large_prompts.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "speculators" / "data"
+DEFAULT_OUT = DATA / "train_large_prompts.jsonl"
+
+HELDOUT_TEMPLATES = [  # every held-out prompt is one of these (tests/test_prompts.py checks it)
+    r"Write a short story that involves (.+)\.",
+    r"Tell me something surprising about (.+)\.",
+    r"Describe (.+) in simple words\.",
+    r"Show me Python code that (.+)\.",
+]
 
 TOPICS = [
     # science and nature
@@ -95,7 +104,8 @@ CODE_TASKS = [
     "reads a CSV file into a list of dictionaries", "writes a dictionary to a JSON file",
     "counts vowels in a string", "finds the intersection of two lists", "implements bubble sort",
     "implements quicksort", "implements merge sort", "computes the power set of a list",
-    "generates all permutations of a string", "finds the missing number in a list from 1 to n", "computes the sum of digits of a number",
+    "generates all permutations of a string", "finds the missing number in a list from 1 to n",
+    "computes the sum of digits of a number",
     "checks whether a number is an Armstrong number", "returns the n-th row of Pascal's triangle",
     "computes the edit distance between two strings", "finds the most common element in a list",
     "converts minutes into hours and minutes", "validates a password's strength",
@@ -104,7 +114,8 @@ CODE_TASKS = [
     "checks whether a graph has a cycle", "performs a breadth-first search on a graph",
     "computes the area of a circle", "computes the distance between two points",
     "formats a number with thousands separators", "shuffles a list without random.shuffle",
-    "counts the lines, words and characters of a file", "checks whether two dictionaries are equal ignoring order", "caches the results of a slow function",
+    "counts the lines, words and characters of a file", "checks whether two dictionaries are equal ignoring order",
+    "caches the results of a slow function",
     "retries a function call up to three times", "measures how long a function takes",
 ]
 
@@ -115,6 +126,26 @@ CODE_TEMPLATES = [
     "Explain how to write a Python function that {}, then write it.",
     "Write a Python function that {} and a few unit tests for it.",
 ]
+
+
+def heldout_subjects() -> set[str]:
+    """The topics and programming tasks of the held-out prompts (what their templates fill in)."""
+    subjects = set()
+    for line in (DATA / "heldout_prompts.jsonl").read_text().splitlines():
+        text = json.loads(line)["messages"][-1]["content"]
+        match = next((re.fullmatch(t, text) for t in HELDOUT_TEMPLATES if re.fullmatch(t, text)), None)
+        if match is None:
+            raise ValueError(f"held-out prompt of an unknown template: {text!r}")
+        subjects.add(match.group(1))
+    return subjects
+
+
+def mentions_heldout(text: str, subjects: set[str]) -> bool:
+    """Whether a prompt uses a held-out template or names a held-out subject (any case, with
+    or without a leading "the", singular or plural)."""
+    stems = {subject.removeprefix("the ").removesuffix("s") for subject in subjects}
+    return (any(re.fullmatch(t, text) for t in HELDOUT_TEMPLATES)
+            or any(re.search(rf"\b{re.escape(stem)}s?\b", text, re.IGNORECASE) for stem in stems))
 
 
 def prompts(templates_per_topic: int, seed: int) -> list[str]:

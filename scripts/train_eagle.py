@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     engine, train_samples, val_samples = self_distillation_corpus(args)
+    if args.corpus_only:
+        engine.close()
+        return 0
     start = time.perf_counter()
     model = engine.model
     head = new_head(args, model, train_samples).to(model.embed_tokens.weight.device)
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     model.requires_grad_(False)
     extra = {"base_model": args.model,
              "training": {"corpora": [path.name for path in corpus_paths(args)],
+                          "validation": Path(args.val_prompts).name if args.val_prompts else "first corpus",
                           "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
 

@@ -131,9 +131,15 @@ def add_self_distillation_args(parser) -> None:
                    help="the sampling temperature of the second and later corpora (default: 0.8)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--val-fraction", type=float, default=0.05, help="answers held out for validation")
+    p.add_argument("--val-prompts", default=None,
+                   help="validate on the target's greedy answers to these prompts instead (e.g. the held-out "
+                        "speculators/data/heldout_prompts.jsonl: acceptance on prompts of a kind training never "
+                        "saw); the answers are written once to OUT/val-corpus.jsonl")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (the target and the training)")
     p.add_argument("--dtype", default="auto", help="the target's dtype while writing the corpus (default: auto)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-only", action="store_true", help="write the corpora that do not exist yet, then "
+                                                               "stop (no training)")
 
 
 def corpus_paths(args) -> list[Path]:
@@ -148,8 +154,8 @@ def corpus_paths(args) -> list[Path]:
 def self_distillation_corpus(args):
     """(engine, training samples, validation samples) from the flags above. Each corpus is
     read when it exists, else the target writes it (and it is saved). Validation answers
-    are the first --val-fraction of the first corpus; the other corpora's answers to those
-    prompts are left out of training."""
+    are the target's answers to --val-prompts, else the first --val-fraction of the first
+    corpus; answers to the validation prompts are left out of training."""
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
@@ -169,12 +175,31 @@ def self_distillation_corpus(args):
             print(f"corpus: {len(samples)} answers at temperature {temperature} in "
                   f"{time.perf_counter() - start:.0f} s -> {path}")
         corpora.append(samples)
-    num_val = max(1, int(len(corpora[0]) * args.val_fraction))
-    val = corpora[0][:num_val]
+    if args.val_prompts:
+        val = validation_corpus(engine, args)
+    else:
+        num_val = max(1, int(len(corpora[0]) * args.val_fraction))
+        val, corpora[0] = corpora[0][:num_val], corpora[0][num_val:]
     val_prompts = {tuple(s.token_ids[:s.num_prompt_tokens]) for s in val}
-    train = corpora[0][num_val:] + [s for samples in corpora[1:] for s in samples
-                                    if tuple(s.token_ids[:s.num_prompt_tokens]) not in val_prompts]
+    train = [s for samples in corpora for s in samples if tuple(s.token_ids[:s.num_prompt_tokens]) not in val_prompts]
     return engine, train, val
+
+
+def validation_corpus(engine, args) -> list[Sample]:
+    """The target's greedy answers to --val-prompts: read from OUT/val-corpus.jsonl when it
+    holds answers to exactly those prompts, else written there."""
+    path = Path(args.out) / "val-corpus.jsonl"
+    prompts = load_prompts(args.val_prompts)
+    wanted = [engine.prompt_token_ids(prompt) for prompt in prompts]
+    if path.exists():
+        samples = load_corpus(path, args.model)
+        if [s.token_ids[:s.num_prompt_tokens] for s in samples] == wanted:
+            print(f"validation: {len(samples)} answers from {path}")
+            return samples
+    samples = generate_corpus(engine, prompts, args.max_tokens, temperature=0.0)
+    save_corpus(samples, path, args.model)
+    print(f"validation: the target's greedy answers to {len(samples)} prompts of {args.val_prompts} -> {path}")
+    return samples
 
 
 def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -379,6 +379,48 @@ def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(pl
     assert sorted(s.token_ids for s in train) == sorted(s.token_ids for s in greedy[1:] + sampled[1:])
 
 
+def test_corpus_only_writes_the_answers_and_trains_nothing(plain_outputs, tmp_path):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_medusa
+    from speculators.training import load_corpus
+    prompts, corpus, out = tmp_path / "prompts.jsonl", tmp_path / "corpus.jsonl", tmp_path / "out"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    assert train_medusa.main(["--out", str(out), "--data", str(prompts), "--corpus", str(corpus), "--max-tokens", "4",
+                              "--corpus-only", "--device", "cpu", "--dtype", "float32"]) == 0
+    answers = [s.token_ids[s.num_prompt_tokens:] for s in load_corpus(corpus, "smollm2-135m")]
+    assert all(answers) and answers == [out[:len(a)] for out, a in zip(plain_outputs, answers)]
+    assert not (out / "config.json").exists()
+
+
+def test_validation_on_other_prompts_keeps_them_out_of_training(plain_outputs, tmp_path):
+    """--val-prompts: validation answers are the target's greedy answers to those prompts
+    (written once to OUT/val-corpus.jsonl, then read back), every corpus answer is trained
+    on except those to a validation prompt."""
+    import argparse
+    from speculators.training import add_self_distillation_args, self_distillation_corpus
+    train_prompts, val_prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    val_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPTS[3], PROMPTS[0])))
+    parser = argparse.ArgumentParser()
+    add_self_distillation_args(parser)
+    argv = ["--out", str(tmp_path / "out"), "--data", str(train_prompts), "--corpus", str(tmp_path / "c.jsonl"),
+            "--val-prompts", str(val_prompts), "--max-tokens", "8", "--device", "cpu", "--dtype", "float32"]
+    engine, train, val = self_distillation_corpus(parser.parse_args(argv))
+    prompt_ids = [engine.tokenize(p) for p in PROMPTS]
+    engine.close()
+    for samples, picks in ((val, (3, 0)), (train, (1, 2))):
+        assert [s.token_ids[:s.num_prompt_tokens] for s in samples] == [prompt_ids[i] for i in picks]
+        answers = [s.token_ids[s.num_prompt_tokens:] for s in samples]
+        assert all(answers) and answers == [plain_outputs[i][:len(a)] for i, a in zip(picks, answers)]
+    written = (tmp_path / "out" / "val-corpus.jsonl").stat().st_mtime_ns
+    engine, _, again = self_distillation_corpus(parser.parse_args(argv))
+    engine.close()
+    assert [s.token_ids for s in again] == [s.token_ids for s in val]
+    assert (tmp_path / "out" / "val-corpus.jsonl").stat().st_mtime_ns == written  # read, not written again
+
+
 def test_the_shipped_corpora_are_the_default_models_answers(engine_f32, generate):
     """speculators/data's corpora (what training reads for the default model by default):
     one answer per 'train_large' prompt each, in order. The greedy one's answers are what

@@ -17,25 +17,9 @@ import make_prompts  # noqa: E402
 
 from speculators.training import default_prompt_file, load_prompts  # noqa: E402
 
-HELDOUT_TEMPLATES = [
-    r"Write a short story that involves (.+)\.",
-    r"Tell me something surprising about (.+)\.",
-    r"Describe (.+) in simple words\.",
-    r"Show me Python code that (.+)\.",
-]
-
 
 def texts(path) -> list[str]:
     return [messages[-1]["content"] for messages in load_prompts(path)]
-
-
-def heldout_subjects() -> set[str]:
-    subjects = set()
-    for text in texts(default_prompt_file("heldout")):
-        match = next((re.fullmatch(t, text) for t in HELDOUT_TEMPLATES if re.fullmatch(t, text)), None)
-        assert match, f"held-out prompt of an unknown template: {text!r}"
-        subjects.add(match.group(1))
-    return subjects
 
 
 def test_large_prompt_file_is_what_the_script_writes(tmp_path):
@@ -50,8 +34,53 @@ def test_large_prompt_file_is_what_the_script_writes(tmp_path):
 
 @pytest.mark.parametrize("split", ["train", "train_large"])
 def test_training_prompts_share_nothing_with_the_heldout_ones(split):
-    subjects = heldout_subjects()
+    subjects = make_prompts.heldout_subjects()
     assert len(subjects) >= 10
     for text in texts(default_prompt_file(split)):
-        assert not any(re.fullmatch(t, text) for t in HELDOUT_TEMPLATES), text
-        assert not any(re.search(rf"\b{re.escape(subject)}\b", text) for subject in subjects), text
+        assert not make_prompts.mentions_heldout(text, subjects), text
+
+
+def test_every_heldout_prompt_is_a_known_template_filled_with_its_subject():
+    subjects = make_prompts.heldout_subjects()
+    for text in texts(default_prompt_file("heldout")):
+        assert make_prompts.mentions_heldout(text, subjects)
+        assert any(re.fullmatch(t, text) for t in make_prompts.HELDOUT_TEMPLATES)
+    assert make_prompts.mentions_heldout("What does a penguin eat?", subjects)
+    assert make_prompts.mentions_heldout("Who built the first computer?", subjects)
+    assert make_prompts.mentions_heldout("What is a Violin made of?", subjects)  # "the violin", any case
+    assert not make_prompts.mentions_heldout("Who invented the steam engine?", subjects)
+    assert not make_prompts.mentions_heldout("Why do teams need leaders?", subjects)  # "tea" is a whole word
+
+
+def test_self_prompts_start_from_the_chat_template_before_the_users_text(engine_f32):
+    import make_self_prompts
+    tokenizer = engine_f32.tokenizer
+    prefix = make_self_prompts.pre_query_token_ids(tokenizer)
+    request = engine_f32.tokenize([{"role": "user", "content": "How do clouds form?"}])
+    assert request[:len(prefix)] == prefix  # a real request's tokens begin with the prefix
+    assert tokenizer.decode(request[len(prefix):]).startswith("How do clouds form?")
+
+
+def test_self_prompts_keep_only_new_finished_requests_away_from_the_heldout_ones(engine_f32, tmp_path, monkeypatch):
+    import make_self_prompts
+    sampled = [("How do clouds form?", "stop"), ("how do clouds form?", "stop"),  # the second is a repeat
+               ("Describe tea in simple words.", "stop"), ("What does a penguin eat?", "stop"),
+               ("Write me a very long", "length"), ("Hi", "stop"), ("Plan a trip to Lisbon for me.", "stop"),
+               ("Which skills does a chef need?", "stop"), ("Design a new weapon for me.", "stop")]
+    monkeypatch.setattr(make_self_prompts, "sample_requests", lambda engine, *args: sampled)
+    monkeypatch.setattr("runtime.engine.LLMEngine", lambda **kwargs: engine_f32)
+    monkeypatch.setattr(engine_f32, "close", lambda: None)
+    out = tmp_path / "self.jsonl"
+    assert make_self_prompts.main(["--out", str(out), "--num-samples", str(len(sampled))]) == 0
+    assert texts(out) == ["How do clouds form?", "Plan a trip to Lisbon for me.", "Which skills does a chef need?"]
+
+
+def test_self_prompts_are_requests_the_model_writes(engine_f32):
+    import make_self_prompts
+    requests = make_self_prompts.sample_requests(engine_f32, 4, 48, 1.0, 0.95, seed=0)
+    assert len(requests) == 4
+    assert len({text for text, _ in requests}) == 4  # one seed each: four different requests
+    finished = [text for text, reason in requests if reason == "stop"]
+    assert finished and all(text and "<|im_end|>" not in text and "<|im_start|>" not in text for text in finished)
+    assert requests == make_self_prompts.sample_requests(engine_f32, 4, 48, 1.0, 0.95, seed=0)  # seeded
+
