@@ -133,7 +133,7 @@ def heldout_subjects() -> set[str]:
     subjects = set()
     for line in (DATA / "heldout_prompts.jsonl").read_text().splitlines():
         text = json.loads(line)["messages"][-1]["content"]
-        match = next((re.fullmatch(t, text) for t in HELDOUT_TEMPLATES if re.fullmatch(t, text)), None)
+        match = next(filter(None, (re.fullmatch(t, text) for t in HELDOUT_TEMPLATES)), None)
         if match is None:
             raise ValueError(f"held-out prompt of an unknown template: {text!r}")
         subjects.add(match.group(1))

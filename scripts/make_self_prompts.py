@@ -8,6 +8,10 @@ would start, writes a user's request of its own: sampling that many times gives 
 as varied as what the model was tuned on (Xu et al. 2024, "Magpie"). No data leaves or
 enters the machine; the prompts are the model's own.
 
+Measured for the default model (README, "Self-asked prompts"): at the same number of
+answers, Medusa heads trained on self-asked answers reached a lower held-out acceptance
+than on template answers (1.65 against 1.70), so training does not read them by default.
+
 Kept: requests that the model ends itself (its end-of-turn token), of a sensible length,
 not seen twice, free of a few words of violence, hate and sex (`UNWANTED`), and that
 neither use a held-out template nor name a held-out subject (make_prompts.mentions_heldout),
