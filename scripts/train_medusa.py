@@ -36,6 +36,9 @@ def parse_args(argv=None):
                    "head (its draft-vocabulary rows) instead of a projection of its own, started as those rows: "
                    "less memory, lower acceptance (validation tree acceptance 1.95 against 2.18 for the default "
                    "model after 3000 steps)")
+    p.add_argument("--read-token", action=argparse.BooleanOptionalAction, default=True,
+                   help="every head also reads the tree's root token, the one the target just chose (default: on; "
+                        "--no-read-token: Medusa's heads, which see the hidden state alone)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="the heads' vocabulary: the tokens the corpus "
                    "writes most (default: 8192; 0 = the target's whole vocabulary)")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: 3000)")
@@ -53,11 +56,12 @@ def new_heads(args, model, train_samples) -> MedusaHeads:
     target's rows)."""
     cfg = model.config
     if args.init_heads:
-        return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head).float()
+        return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head, model.embed_tokens).float()
     draft_vocab = (draft_vocabulary(train_samples, args.draft_vocab, cfg.eos_token_ids)
                    if 0 < args.draft_vocab < cfg.vocab_size else torch.arange(cfg.vocab_size))  # [Vd] target ids
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, args.num_heads, args.num_layers,
-                        model.lm_head if args.shared_lm_head else None, len(draft_vocab))
+                        model.lm_head if args.shared_lm_head else None, len(draft_vocab),
+                        args.read_token, model.embed_tokens)
     heads.set_draft_vocab(draft_vocab)
     if not args.shared_lm_head:
         for head in heads.lm_heads:
@@ -77,8 +81,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     model = engine.model
     heads = new_heads(args, model, train_samples).to(model.embed_tokens.weight.device)
-    train = medusa_data(model, train_samples, heads.num_heads)
-    val = medusa_data(model, val_samples, heads.num_heads)
+    train = medusa_data(model, train_samples, heads.num_heads, heads.reads_token)
+    val = medusa_data(model, val_samples, heads.num_heads, heads.reads_token)
     print(f"{len(train)} training positions, {len(val)} validation positions")
     model.requires_grad_(False)
     extra = {"base_model": args.model,

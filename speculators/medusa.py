@@ -10,6 +10,14 @@ target's LM head (shared: no extra memory, and training only touches the small b
 At proposal time the sequence ends with that token at p + 1 (the bonus or recovered
 token of the last step: the tree's root), so head k proposes the tree's depth k + 1.
 
+As an option (on in heads trained here), every head also reads that root token: its first
+block adds the token's embedding (the target's, shared) through a linear map of its own,
+x + SiLU(W x + U e(t_p+1) + b), U started at zero. h_p only says what the target was
+likely to write at p + 1; the heads then know what it did write (a sampled token, or the
+argmax they would otherwise have to decode from h_p), which is what EAGLE's head reads
+for the same reason (Li et al. 2024) and the first of the tokens Hydra's heads read (Ankner
+et al. 2024). The tree stays static, drawn from one pass of the heads.
+
 The tree is a list of paths of top-k ranks (Medusa's "choices": (0,) is head 0's best
 token, (0, 1) head 1's second best below it, ...), compiled once into parents and ranks.
 Per step and sequence its nodes get a value, the product of the heads' probabilities
@@ -21,11 +29,12 @@ offered.
 
 Checkpoints use the public Medusa layout, names mapped explicitly:
   medusa_head.{k}.{j}.linear.weight / .bias  (block j of head k, j < L)
+  medusa_head.{k}.0.token_linear.weight      (ours: U, when the heads read the root token)
   medusa_head.{k}.{L}.weight                 (head k's projection; absent when shared)
   d2t                                        (ours, EAGLE-3's name: the draft vocabulary,
                                               absent when it is the whole vocabulary)
 with a config.json of medusa_num_heads, medusa_num_layers (and here hidden_size,
-vocab_size, draft_vocab_size, share_lm_head). With a draft vocabulary a shared projection
+vocab_size, draft_vocab_size, share_lm_head, reads_token). With a draft vocabulary a shared projection
 is the target LM head's rows of those tokens.
 """
 from __future__ import annotations
@@ -53,30 +62,44 @@ WEIGHTS_NAME = "medusa_lm_head.safetensors"
 # ---- the heads ------------------------------------------------------------------------------
 
 class ResBlock(nn.Module):
-    def __init__(self, hidden_size: int):
+    """x + SiLU(W x + b), or with reads_token x + SiLU(W x + U e + b) for a token embedding e."""
+
+    def __init__(self, hidden_size: int, reads_token: bool = False):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)  # a fresh head starts as the identity (Medusa's init)
+        self.token_linear = nn.Linear(hidden_size, hidden_size, bias=False) if reads_token else None
+        if self.token_linear is not None:
+            nn.init.zeros_(self.token_linear.weight)  # and ignores the token until trained to read it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
+    def forward(self, x: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        pre = self.linear(x)
+        if self.token_linear is not None:
+            pre = pre + self.token_linear(token_embeds)
+        return x + nn.functional.silu(pre)
 
 
 class MedusaHeads(DraftVocabulary, nn.Module):
-    """K heads; forward(hidden [N, H]) -> logits [N, K, Vd] (float32) over the draft
-    vocabulary: all V target tokens, or the Vd < V tokens the target writes most (draft id
-    i is target token i + d2t[i], as in EAGLE-3's layout; a smaller projection, 6x cheaper
-    at Vd = 8192 for a 49,152-token target)."""
+    """K heads; forward(hidden [N, H], root tokens [N]) -> logits [N, K, Vd] (float32) over
+    the draft vocabulary: all V target tokens, or the Vd < V tokens the target writes most
+    (draft id i is target token i + d2t[i], as in EAGLE-3's layout; a smaller projection,
+    6x cheaper at Vd = 8192 for a 49,152-token target). The root tokens (target ids) are
+    read only with reads_token, through `embedding`, the target's token embedding."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 shared_lm_head: nn.Module | None = None, draft_vocab_size: int | None = None):
+                 shared_lm_head: nn.Module | None = None, draft_vocab_size: int | None = None,
+                 reads_token: bool = False, embedding: nn.Module | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
+        if reads_token and num_layers < 1:
+            raise ValueError("Medusa heads that read the root token need num_layers >= 1")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.num_heads, self.num_layers = num_heads, num_layers
-        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
-                                    for _ in range(num_heads))
+        self.num_heads, self.num_layers, self.reads_token = num_heads, num_layers, reads_token
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden_size, reads_token and j == 0) for j in range(num_layers)))
+            for _ in range(num_heads))
+        self._embedding = (embedding,)  # the target's, not a submodule (as the shared LM head)
         draft_vocab_size = draft_vocab_size or vocab_size
         self.init_draft_vocab(vocab_size, draft_vocab_size)
         self.lm_heads = None if shared_lm_head is not None else nn.ModuleList(
@@ -89,6 +112,9 @@ class MedusaHeads(DraftVocabulary, nn.Module):
     @property
     def shares_lm_head(self) -> bool:
         return self.lm_heads is None
+
+    def set_embedding(self, embedding: nn.Module) -> None:
+        self._embedding = (embedding,)
 
     def set_shared_lm_head(self, lm_head: nn.Module) -> None:
         self._shared = (lm_head,)
@@ -106,9 +132,21 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.refresh_draft_vocab()
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> each head's input to its projection [N, K, H]."""
-        return torch.stack([block(hidden) for block in self.blocks], dim=1)
+    def features(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] (and the root tokens [N] with reads_token) -> each head's input to
+        its projection [N, K, H]."""
+        token_embeds = None
+        if self.reads_token:
+            if tokens is None or self._embedding[0] is None:
+                raise ValueError("these Medusa heads read the root token: pass the tokens and set the embedding")
+            token_embeds = self._embedding[0](tokens.to(hidden.device)).to(hidden.dtype)  # [N, H]
+        out = []
+        for block in self.blocks:
+            x = hidden
+            for j, res in enumerate(block):
+                x = res(x, token_embeds if j == 0 else None)
+            out.append(x)
+        return torch.stack(out, dim=1)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """[N, K, H] -> logits over the draft vocabulary [N, K, Vd] (float32)."""
@@ -118,13 +156,14 @@ class MedusaHeads(DraftVocabulary, nn.Module):
             return nn.functional.linear(features, self._shared_rows.to(features.dtype)).float()
         return self._shared[0](features).float()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.project(self.features(hidden))
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.project(self.features(hidden, tokens))
 
     def config_dict(self) -> dict:
         return {"architecture": "medusa", "medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
-                "draft_vocab_size": self.draft_vocab_size, "share_lm_head": self.shares_lm_head}
+                "draft_vocab_size": self.draft_vocab_size, "share_lm_head": self.shares_lm_head,
+                "reads_token": self.reads_token}
 
 
 # ---- checkpoints (public Medusa layout) ---------------------------------------------------------
@@ -135,6 +174,8 @@ def to_public_names(heads: MedusaHeads) -> dict[str, torch.Tensor]:
         for j, res in enumerate(block):
             out[f"medusa_head.{k}.{j}.linear.weight"] = res.linear.weight
             out[f"medusa_head.{k}.{j}.linear.bias"] = res.linear.bias
+            if res.token_linear is not None:
+                out[f"medusa_head.{k}.{j}.token_linear.weight"] = res.token_linear.weight
         if heads.lm_heads is not None:
             out[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.lm_heads[k].weight
     if heads.draft_vocab_size < heads.vocab_size:
@@ -142,7 +183,7 @@ def to_public_names(heads: MedusaHeads) -> dict[str, torch.Tensor]:
     return out
 
 
-_PUBLIC_NAME = re.compile(r"^(?:.*\.)?medusa_head\.(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+_PUBLIC_NAME = re.compile(r"^(?:.*\.)?medusa_head\.(\d+)\.(\d+)\.(linear\.weight|linear\.bias|token_linear\.weight|weight)$")
 
 
 def from_public_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -190,9 +231,11 @@ def _checkpoint_files(path: Path) -> tuple[Path, Path | None]:
     return path, config if config.exists() else None
 
 
-def load_heads(path: str | Path, hidden_size: int, vocab_size: int, lm_head: nn.Module) -> MedusaHeads:
+def load_heads(path: str | Path, hidden_size: int, vocab_size: int, lm_head: nn.Module,
+               embedding: nn.Module | None = None) -> MedusaHeads:
     """Heads from a checkpoint in the public layout, checked against the target's shapes;
-    lm_head is the target's, used when the checkpoint shares it."""
+    lm_head is the target's, used when the checkpoint shares it, and embedding its token
+    embedding, used when the heads read the root token."""
     from safetensors.torch import load_file
     weights_file, config_file = _checkpoint_files(Path(path))
     tensors = load_file(str(weights_file))
@@ -204,12 +247,15 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int, lm_head: nn.
     num_layers = int(config.get("medusa_num_layers",
                                 1 + max((int(m[2]) for m in indices if m[3] != "weight"), default=-1)))
     shared = bool(config.get("share_lm_head", not any(m[3] == "weight" for m in indices)))
+    reads_token = bool(config.get("reads_token", any(m[3] == "token_linear.weight" for m in indices)))
     for key, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
         if key in config and int(config[key]) != want:
             raise ValueError(f"Medusa checkpoint {str(path)!r} has {key} {config[key]}, the target {want}")
     draft_vocab_size = len(tensors["d2t"]) if "d2t" in tensors else vocab_size
+    if reads_token and embedding is None:
+        raise ValueError(f"Medusa checkpoint {str(path)!r} reads the root token: it needs the target's embedding")
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, lm_head if shared else None,
-                        draft_vocab_size)
+                        draft_vocab_size, reads_token, embedding)
     state = from_public_names(tensors, num_layers)
     expected = heads.state_dict()
     if "d2t" not in state:
@@ -314,7 +360,8 @@ class MedusaProposer(Proposer):
             return trees
         tree = self.tree
         hidden = torch.stack([requests[i].last_hidden for i in rows]).to(self.device, self.dtype)  # [B, H]
-        logits = self.heads(hidden)[:, :tree.max_depth]  # [B, D, Vd]
+        roots = torch.tensor([requests[i].token_ids[-1] for i in rows], device=self.device)  # [B] the tree's root
+        logits = self.heads(hidden, roots)[:, :tree.max_depth]  # [B, D, Vd]
         draft_ids, values = tree.candidates(logits.softmax(dim=-1))  # [B, n] each
         node_tokens, values = self.heads.target_ids(draft_ids).cpu(), values.cpu()  # [B, n] each
         for b, i in enumerate(rows):
@@ -347,11 +394,15 @@ def build_medusa_proposer(config, target) -> MedusaProposer:
     device = config.resolved_draft_device(target.device)
     dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
     lm_head = frozen_on(model.lm_head, device, dtype)
-    heads = load_heads(config.medusa_heads, model.config.hidden_size, model.config.vocab_size, lm_head)
+    heads = load_heads(config.medusa_heads, model.config.hidden_size, model.config.vocab_size, lm_head,
+                       model.embed_tokens)
     heads.to(device=device, dtype=dtype)
+    if heads.reads_token:
+        heads.set_embedding(frozen_on(model.embed_tokens, device, dtype))
     choices = load_choices(config.medusa_tree) if config.medusa_tree else default_choices(heads.num_heads)
     tree = CompiledTree(choices)
-    log.info("Medusa: %d heads (%d residual block(s) each, %s LM head) on %s in %s; tree of %d nodes, %d deep",
-             heads.num_heads, heads.num_layers, "shared" if heads.shares_lm_head else "own", device,
+    log.info("Medusa: %d heads (%d residual block(s) each, %s LM head%s) on %s in %s; tree of %d nodes, %d deep",
+             heads.num_heads, heads.num_layers, "shared" if heads.shares_lm_head else "own",
+             ", reading the root token" if heads.reads_token else "", device,
              str(dtype).replace("torch.", ""), len(tree), tree.max_depth)
     return MedusaProposer(heads, tree, device)

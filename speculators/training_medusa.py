@@ -1,6 +1,7 @@
 """Medusa heads' self-distillation (the corpus and the target's states: speculators/training.py).
 
-Head k learns, from the target's final hidden state at position p, the target's greedy
+Head k learns, from the target's final hidden state at position p (and, for heads that
+read it, the written token at p + 1: the tree's root at serving time), the target's greedy
 token at p + 2 + k along the written path (`medusa_labels`; in a greedy corpus the written
 token), by cross-entropy per head with later heads weighted down, on answer positions only
 (the prompt is the user's text, not the target's). Soft labels (the target's distribution
@@ -33,36 +34,47 @@ log = logging.getLogger("speculators.training")
 class MedusaData:
     features: torch.Tensor  # [N, H] the target's hidden state at position p
     labels: torch.Tensor  # [N, K] the target's token at p + 2 + k, IGNORE past the sample's end
+    roots: torch.Tensor  # [N] the written token at p + 1 (the tree's root at serving time)
 
     def __len__(self) -> int:
         return len(self.features)
 
 
-def medusa_data(model, samples: list[Sample], num_heads: int, progress: bool = True) -> MedusaData:
-    """Features and labels of every answer position of every sample (medusa_labels)."""
-    features, labels = [], []
+def medusa_data(model, samples: list[Sample], num_heads: int, reads_token: bool = False,
+                progress: bool = True) -> MedusaData:
+    """Features, labels (medusa_labels, for heads that read the root token or not) and root
+    tokens of every answer position of every sample."""
+    features, labels, roots = [], [], []
     for s, hidden, greedy in target_states(model, samples, greedy=True, progress=progress):
         positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
         if not len(positions):
             continue
+        tokens = torch.tensor(s.token_ids)  # [T]
         features.append(hidden[positions])
-        labels.append(medusa_labels(torch.tensor(s.token_ids), greedy, positions, num_heads))
-    return MedusaData(torch.cat(features), torch.cat(labels))
+        labels.append(medusa_labels(tokens, greedy, positions, num_heads, reads_token))
+        roots.append(tokens[positions + 1])
+    return MedusaData(torch.cat(features), torch.cat(labels), torch.cat(roots))
 
 
-def medusa_labels(tokens: torch.Tensor, greedy: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+def medusa_labels(tokens: torch.Tensor, greedy: torch.Tensor, positions: torch.Tensor, num_heads: int,
+                  reads_token: bool = False) -> torch.Tensor:
     """Head k's label at position p [n, K]: the token a greedy request would verify at
     p + 2 + k, the target's argmax there (greedy [T]: after each position) along the
-    written path (tokens [T]); IGNORE once the written tokens p + 1 .. p + 1 + k leave the
-    greedy path (a sampled corpus: the heads see only h_p, so they are taught the greedy
-    continuation, not a draw they cannot know) and past the sample's written end. In a
-    greedy corpus these are the written tokens."""
+    written path (tokens [T]); IGNORE past the sample's written end, and once the written
+    tokens leave the greedy path (a sampled corpus: the heads are taught the greedy
+    continuation, not a draw they cannot know). Heads that see only h_p know none of the
+    written tokens, so p + 1 .. p + 1 + k must be greedy; heads that read the root token
+    know p + 1, so only p + 2 .. p + 1 + k must be. In a greedy corpus these are the
+    written tokens."""
     t = len(tokens)
     on_path = torch.cat([tokens[1:] == greedy[:-1], torch.zeros(num_heads + 2, dtype=torch.bool)])  # [T + K + 1]
     greedy = torch.cat([greedy, torch.full((num_heads + 2,), IGNORE, dtype=greedy.dtype)])
     steps = torch.arange(num_heads)  # [K]
     index = positions[:, None] + steps[None, :]  # [n, K] p + k
-    still_greedy = on_path[index].int().cumprod(dim=1).bool()  # written p + 1 .. p + 1 + k are greedy
+    greedy_at = on_path[index]  # [n, K]: written p + 1 + k is the greedy token
+    if reads_token:
+        greedy_at[:, 0] = True  # the root is given, whatever it is
+    still_greedy = greedy_at.int().cumprod(dim=1).bool()  # every written token up to p + 1 + k the heads guess
     inside = index + 2 < t  # token p + 2 + k was written
     return torch.where(still_greedy & inside, greedy[index + 1], IGNORE)  # [n, K]
 
@@ -71,12 +83,14 @@ def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
     return decay ** torch.arange(num_heads, dtype=torch.float32)  # [K]
 
 
-def medusa_loss(heads, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_loss(heads, features: torch.Tensor, labels: torch.Tensor,
+                roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy per head against the labels, later heads weighted down, tokens
-    outside the draft vocabulary skipped; logits [N, K, Vd]). labels [N, K] are target ids."""
+    outside the draft vocabulary skipped; logits [N, K, Vd]). labels [N, K] and roots [N]
+    are target ids."""
     device = next(heads.parameters()).device
     features, labels = features.to(device), heads.draft_ids(labels.to(device))  # [N, H], [N, K] draft ids
-    logits = heads(features)  # [N, K, Vd]
+    logits = heads(features, roots.to(device))  # [N, K, Vd]
     k = logits.shape[1]
     per_position = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=IGNORE, reduction="none").view(-1, k)  # [N, K]
@@ -126,7 +140,7 @@ def evaluate_medusa(heads, data: MedusaData, tree=None, max_nodes: int | None = 
     for start in range(0, len(data), batch_size):
         x, y = data.features[start:start + batch_size], data.labels[start:start + batch_size]
         with autocast(heads):
-            loss, logits = medusa_loss(heads, x, y)
+            loss, logits = medusa_loss(heads, x, y, data.roots[start:start + batch_size])
         labels = heads.draft_ids(y.to(logits.device))  # [b, K]
         total_loss += float(loss) * len(x)
         chain += (chain_acceptance(logits, labels) - 1.0) * len(x)
@@ -159,7 +173,7 @@ def train_medusa(heads, train: MedusaData, val: MedusaData, steps: int, lr: floa
             rng.shuffle(order)
         batch, order = order[:batch_size], order[batch_size:]
         with autocast(heads):
-            loss, _ = medusa_loss(heads, train.features[batch], train.labels[batch])
+            loss, _ = medusa_loss(heads, train.features[batch], train.labels[batch], train.roots[batch])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

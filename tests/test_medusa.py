@@ -4,10 +4,13 @@
   mask; bad lists fail clearly.
 - Loading a checkpoint written in the public Medusa layout (built here with the public
   names and shapes): the heads compute x + SiLU(W x + b) then the projection, by hand.
+- Heads that read the root token: x + SiLU(W x + U e + b) by hand, the same as Medusa's
+  heads while U is fresh (zero), checkpoints keep it, the proposer feeds the sequence's
+  last token.
 - A draft vocabulary: the heads' logits are the full heads' logits of those tokens, and
   proposals are target ids; checkpoints keep it.
 - Labels: the target's greedy tokens along the written path, cut where it leaves it.
-- Greedy lossless, batched, float32: heads trained briefly on the test prompts' own plain
+- Greedy lossless, batched, float32: heads that read the root token trained briefly on the test prompts' own plain
   outputs (so many drafts are accepted) and random heads (mostly rejected) both give the
   output of `--speculator none`; every KV block comes back.
 - Seeded sampling with Medusa's one-hot proposals equals plain sampling.
@@ -117,6 +120,46 @@ def test_loads_a_checkpoint_in_the_public_medusa_layout(tmp_path):
         load_heads(tmp_path, hidden, vocab + 1, shared)
 
 
+def test_heads_that_read_the_root_token(tmp_path):
+    torch.manual_seed(4)
+    hidden, vocab, num_heads = 16, 40, 3
+    embedding, lm_head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+    plain = MedusaHeads(hidden, vocab, num_heads, 1, None)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    reading = MedusaHeads(hidden, vocab, num_heads, 1, None, reads_token=True, embedding=embedding)
+    missing = reading.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == [f"blocks.{k}.0.token_linear.weight" for k in range(num_heads)]
+    x, roots = torch.randn(5, hidden), torch.tensor([0, 7, 7, 39, 12])
+    with torch.no_grad():
+        torch.testing.assert_close(reading(x, roots), plain(x))  # U starts at zero: Medusa's heads
+        for block in reading.blocks:
+            torch.nn.init.normal_(block[0].token_linear.weight, std=0.3)
+        for k in range(num_heads):
+            res, proj = reading.blocks[k][0], reading.lm_heads[k].weight
+            pre = x @ res.linear.weight.T + embedding(roots) @ res.token_linear.weight.T + res.linear.bias
+            torch.testing.assert_close(reading(x, roots)[:, k], (x + torch.nn.functional.silu(pre)) @ proj.T)
+        assert not torch.allclose(reading(x, roots), reading(x, roots.flip(0)))
+        with pytest.raises(ValueError, match="root token"):
+            reading(x)
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        MedusaHeads(hidden, vocab, num_heads, 0, None, reads_token=True, embedding=embedding)
+    save_heads(reading, tmp_path / "reading")
+    again = load_heads(tmp_path / "reading", hidden, vocab, lm_head, embedding)
+    assert again.reads_token and json.loads((tmp_path / "reading" / "config.json").read_text())["reads_token"]
+    with torch.no_grad():
+        torch.testing.assert_close(again(x, roots), reading(x, roots))
+    with pytest.raises(ValueError, match="embedding"):
+        load_heads(tmp_path / "reading", hidden, vocab, lm_head)
+    # the proposer's root is the sequence's last token (the target's bonus or recovered one)
+    proposer = MedusaProposer(again, CompiledTree([(0,), (0, 0)]), torch.device("cpu"))
+    for last in (7, 39):
+        [tree] = proposer.propose([ProposalRequest("r", [3, 5, last], 1, 100, 3, SamplingParams(temperature=0.0),
+                                                   last_hidden=x[0])])
+        with torch.no_grad():
+            assert tree.token_ids == again(x[:1], torch.tensor([last]))[0, :2].argmax(-1).tolist()
+
+
 def test_draft_vocabulary_heads_score_their_tokens_and_round_trip(tmp_path):
     torch.manual_seed(2)
     hidden, vocab = 8, 40
@@ -156,6 +199,11 @@ def test_medusa_labels_are_the_greedy_path_along_the_written_one():
         [IGNORE, IGNORE, IGNORE],  # p = 2: the root 13 itself was not greedy
         [15, IGNORE, IGNORE],  # p = 3: 14 greedy -> 15; token 6 was never written
     ]
+    # heads that read the root token are given the written p + 1, greedy or not
+    assert medusa_labels(tokens, greedy, torch.arange(0, 4), num_heads=3, reads_token=True).tolist() == [
+        [12, 20, IGNORE], [20, IGNORE, IGNORE],
+        [14, 15, IGNORE],  # p = 2: root 13 was a draw, but the heads see it; 14 and 15 follow greedily
+        [15, IGNORE, IGNORE]]
     # a greedy corpus: the labels are the written tokens
     written = torch.tensor([10, 11, 12, 20, 14, 15])
     labels = medusa_labels(written, torch.tensor([11, 12, 20, 14, 15, 16]), torch.arange(0, 3), num_heads=2)
@@ -245,10 +293,11 @@ def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
     model = engine_f32.model
     samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
                for p, out in zip(PROMPTS, plain_outputs)]
-    data = medusa_data(model, samples, num_heads=3, progress=False)
+    data = medusa_data(model, samples, num_heads=3, reads_token=True, progress=False)
     cfg = model.config
     draft_vocab = draft_vocabulary(samples, 4096, cfg.eos_token_ids)  # every token the outputs wrote
-    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head, len(draft_vocab))
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head, len(draft_vocab), True,
+                        model.embed_tokens)
     heads.set_draft_vocab(draft_vocab)
     result = train_medusa(heads, data, data, steps=120, lr=3e-3, batch_size=64, eval_every=120,
                           progress=False)
@@ -344,9 +393,10 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
                               "--dtype", "float32", "--val-fraction", "0.25"]) == 0
     lm_head = engine_f32.model.lm_head
     cfg = engine_f32.model.config
-    before = load_heads(trained_heads, cfg.hidden_size, cfg.vocab_size, lm_head)
-    after = load_heads(out, cfg.hidden_size, cfg.vocab_size, lm_head)
-    assert after.num_heads == 3
+    embedding = engine_f32.model.embed_tokens
+    before = load_heads(trained_heads, cfg.hidden_size, cfg.vocab_size, lm_head, embedding)
+    after = load_heads(out, cfg.hidden_size, cfg.vocab_size, lm_head, embedding)
+    assert after.num_heads == 3 and after.reads_token
     for (name, a), b in zip(after.state_dict().items(), before.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
     assert json.loads((out / "config.json").read_text())["training"]["init_heads"] == str(trained_heads)
