@@ -183,7 +183,8 @@ def to_public_names(heads: MedusaHeads) -> dict[str, torch.Tensor]:
     return out
 
 
-_PUBLIC_NAME = re.compile(r"^(?:.*\.)?medusa_head\.(\d+)\.(\d+)\.(linear\.weight|linear\.bias|token_linear\.weight|weight)$")
+_PUBLIC_NAME = re.compile(r"^(?:.*\.)?medusa_head\.(\d+)\.(\d+)\."
+                          r"(linear\.weight|linear\.bias|token_linear\.weight|weight)$")
 
 
 def from_public_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
