@@ -309,11 +309,13 @@ def test_proposers_asking_for_them_get_the_targets_logits_and_hidden_state_at_th
             return super().propose(requests)
 
     engine.proposers["ngram"] = Recording(1, 3)
+    adaptive, engine.spec_controller.adaptive = engine.spec_controller.adaptive, False  # propose every step
     try:
         generate(engine, [COPY_PROMPT, PROMPTS[2]], greedy(24, speculator="ngram"))
     finally:
         engine.proposers.clear()
-    assert len(seen) > 10
+        engine.spec_controller.adaptive = adaptive
+    assert len(seen) > 10  # adaptive, a noisy machine once found drafting not worth it (2 calls)
     for token_ids, logits, hidden in seen:
         assert int(logits.argmax()) == token_ids[-1]
         torch.testing.assert_close(engine.model.compute_logits(hidden[None])[0], logits, rtol=RTOL, atol=ATOL)
