@@ -96,8 +96,9 @@ def main(argv=None) -> int:
 
     result = train_medusa(heads, train, val, args.steps, args.lr, args.batch_size,
                           None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint)
-    print(f"trained in {time.perf_counter() - start:.0f} s: validation acceptance {result['val_tree_acceptance']:.2f} "
-          f"(tree), {result['val_chain_acceptance']:.2f} (top-1 chain), loss {result['val_loss']:.3f} -> {out}")
+    print(f"trained in {time.perf_counter() - start:.0f} s: validation acceptance per step "
+          f"{result['val_tree_acceptance']:.2f} (tree), {result['val_chain_acceptance']:.2f} (top-1 chain), "
+          f"loss {result['val_loss']:.3f} -> {out}")
     engine.close()
     return 0
 

@@ -29,7 +29,8 @@ from speculators.medusa import (CompiledTree, MedusaHeads, MedusaProposer, defau
                                 load_heads, save_heads)
 from speculators.base import IGNORE
 from speculators.training import Sample, dense_causal_attention, draft_vocabulary
-from speculators.training_medusa import medusa_data, medusa_labels, train_medusa, tree_acceptance
+from speculators.training_medusa import (evaluate_medusa, medusa_data, medusa_labels, step_acceptance, train_medusa,
+                                         tree_acceptance)
 from speculators.tree import DraftTree
 
 PROMPTS = [
@@ -278,6 +279,15 @@ def test_validation_tree_acceptance_is_what_verifying_the_proposers_tree_accepts
     assert tree_acceptance(logits, labels, CompiledTree([(0,), (0, 0), (0, 0, 0)]), 3) == pytest.approx(
         1 + (logits.argmax(-1) == labels).int().cumprod(dim=1).sum(dim=1).float().mean())  # a chain: chain acceptance
 
+def test_step_acceptance_walks_each_sample_as_a_decode_does():
+    # per-position accepted lengths of two samples (6 and 2 positions): the first is walked
+    # at positions 0, 2, 5 (2 + 3 + 1 tokens: the sample ends after 1 more), the second,
+    # from its own start, at 0, 1 (1 + 1)
+    accepted = torch.tensor([2, 1, 3, 1, 1, 2, 1, 2])
+    assert step_acceptance(accepted, [6, 2]) == pytest.approx((2 + 3 + 1 + 1 + 1) / 5)
+    assert step_acceptance(accepted, [8]) == pytest.approx((2 + 3 + 2 + 1) / 4)  # one sample: 0, 2, 5, 7
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -345,6 +355,25 @@ def test_trained_heads_are_greedy_lossless_and_accept_drafts(medusa_engine, trai
     assert engine.stats.num_draft_tokens > drafted
     new_accepted = engine.stats.num_accepted_tokens - accepted
     assert new_accepted / (engine.stats.num_verify_steps - steps) > 0.5, "trained heads should land drafts"
+
+
+def test_validation_acceptance_per_step_is_what_the_engine_measures(medusa_engine, trained_heads, generate):
+    """The training's validation figure on greedy answers to prompts the heads were not
+    trained on (so that some steps accept their whole path and some do not) against the
+    engine's own count, decoding those prompts with a fixed tree of the same size."""
+    prompts = ["Name three colours of the rainbow.", "def mul(a, b):", "Once upon a time,"]
+    engine = medusa_engine(trained_heads, adaptive=False, num_tokens=12)
+    answers = generate(engine, prompts, greedy(speculator="none"))
+    model, cfg = engine.model, engine.model.config
+    heads = load_heads(trained_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head, model.embed_tokens)
+    samples = [Sample(engine.tokenize(p) + out, len(engine.tokenize(p))) for p, out in zip(prompts, answers)]
+    figures = evaluate_medusa(heads, medusa_data(model, samples, heads.num_heads, True, progress=False),
+                              max_nodes=12)
+    accepted, steps = engine.stats.num_accepted_tokens, engine.stats.num_verify_steps
+    assert generate(engine, prompts, greedy(speculator="medusa")) == answers
+    measured = 1 + (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
+    assert 1.2 < measured < 3.5, measured  # neither every draft rejected nor every path accepted
+    assert figures["val_tree_acceptance"] == pytest.approx(measured, abs=0.05)
 
 
 def test_random_heads_are_greedy_lossless(medusa_engine, random_heads, generate, plain_outputs):
