@@ -112,7 +112,7 @@ def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None
     rows = [(System("hf", "HF plain"), None), (System("plain", "ours plain", "none"), None)]
     for device in head_devices:
         where = f" (heads on {device})"
-        rows += [(System(f"medusa-{device}", "ours Medusa" + where, "medusa", 3), device),
+        rows += [(System(f"medusa-{device}", "ours Medusa" + where, "medusa", None), device),
                  (System(f"eagle-chain-{device}", "ours EAGLE chain" + where, "eagle", 1), device),
                  (System(f"eagle-tree-{device}", f"ours EAGLE-2 tree (top-{args.eagle_width})" + where, "eagle",
                          args.eagle_width), device)]

@@ -78,11 +78,13 @@ def test_bad_choices_fail_clearly(tmp_path):
     assert load_choices(good) == [(0,), (0, 0), (1,)]
 
 
-def test_default_tree_is_every_path_with_rank_sum_at_most_two():
+def test_default_tree_is_every_path_with_a_bounded_rank_sum():
+    assert len(default_choices(4, 2)) == 3 + 6 + 10 + 15
     choices = default_choices(4)
-    assert len(choices) == 3 + 6 + 10 + 15
-    assert all(sum(c) <= 2 and 1 <= len(c) <= 4 for c in choices)
-    CompiledTree(choices)  # every parent is present
+    assert len(choices) == 9 + 45 + 165 + 495  # ranks summing to at most 8, 1 to 4 deep
+    assert all(sum(c) <= 8 and 1 <= len(c) <= 4 for c in choices)
+    tree = CompiledTree(choices)  # every parent is present
+    assert tree.top_k == 9  # the default Medusa tree width keeps all of it
 
 
 # ---- checkpoints in the public layout ---------------------------------------------------------------
@@ -217,7 +219,8 @@ def test_proposer_keeps_the_best_nodes_within_budget_and_width():
     heads = MedusaHeads(hidden, vocab, 3, 1, None)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=1.0)
-    proposer = MedusaProposer(heads, CompiledTree(default_choices(3)), torch.device("cpu"))
+    choices = default_choices(3, 2)
+    proposer = MedusaProposer(heads, CompiledTree(choices), torch.device("cpu"))
     h = torch.randn(hidden)
     params = SamplingParams(temperature=0.0)
     with torch.no_grad():
@@ -227,11 +230,17 @@ def test_proposer_keeps_the_best_nodes_within_budget_and_width():
         return ProposalRequest("r", [1, 2, 3], 2, max_nodes, width, params, last_hidden=h)
 
     [full] = proposer.propose([request(100, 3)])
-    assert len(full) == len(default_choices(3))
+    assert len(full) == len(choices)
     [chain] = proposer.propose([request(100, 1)])
     assert chain.is_chain and chain.token_ids == probs.argmax(-1).tolist()
     [small] = proposer.propose([request(5, 3)])
     assert len(small) == 5
+    [narrow] = proposer.propose([request(100, 2)])  # ranks 0 and 1 only
+    assert len(narrow) == sum(max(c) < 2 for c in choices)
+    for tree in (full, small, narrow):
+        assert all(tree.parents[i] < i for i in range(len(tree)))  # parents first: a tree in any prefix
+    # batched, with a budget and width each, as one at a time
+    assert proposer.propose([request(5, 3), request(100, 2), request(100, 1)]) == [small, narrow, chain]
     # the 5 kept are the 5 best paths by product of head probabilities
     def value(tree, i):
         v, node = 1.0, i
@@ -265,7 +274,8 @@ def test_validation_tree_acceptance_is_what_verifying_the_proposers_tree_accepts
     params = SamplingParams(temperature=0.0)
     accepted = []
     for row in range(n):
-        [draft] = proposer.propose([ProposalRequest("r", [1, 2], 1, max_nodes, 3, params, last_hidden=states[row])])
+        [draft] = proposer.propose([ProposalRequest("r", [1, 2], 1, max_nodes, tree.top_k, params,
+                                                    last_hidden=states[row])])
         node, depth = -1, 0
         while depth < num_heads:
             children = [i for i in range(len(draft)) if draft.parents[i] == node
