@@ -337,16 +337,22 @@ class CompiledTree:
     def candidates(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tree's nodes for a batch of the heads' distributions, probs [B, D, V] (D >=
         max_depth): (draft ids [B, n], path values [B, n]: the product of the heads'
-        probabilities from the root down to each node)."""
-        top = probs[:, :self.max_depth].topk(self.top_k, dim=-1)  # values, indices [B, D, k]
+        probabilities from the root down to each node). Nodes ranked beyond a vocabulary
+        smaller than the tree (a small draft vocabulary) get value 0 and id 0: leave them
+        out with path_max_ranks() < V."""
+        k = min(self.top_k, probs.shape[-1])
+        values, indices = probs[:, :self.max_depth].topk(k, dim=-1)  # [B, D, k] each
+        if k < self.top_k:
+            values = nn.functional.pad(values, (0, self.top_k - k))
+            indices = nn.functional.pad(indices, (0, self.top_k - k))
         depth_index, rank_index = torch.tensor(self.depths) - 1, torch.tensor(self.ranks)  # [n] each
-        node_probs = top.values[:, depth_index, rank_index]  # [B, n]
+        node_probs = values[:, depth_index, rank_index]  # [B, n]
         values = node_probs.clone()
         parents = torch.tensor(self.parents)  # [n]
         for depth in range(2, self.max_depth + 1):  # a depth's parents are all one level up, done already
             at = (depth_index == depth - 1).nonzero().squeeze(1)  # [m] this depth's nodes
             values[:, at] *= values[:, parents[at]]
-        return top.indices[:, depth_index, rank_index], values
+        return indices[:, depth_index, rank_index], values
 
     def path_max_ranks(self) -> torch.Tensor:
         """Each node's highest rank along its path [n]: the node fits a tree width w when < w."""
@@ -385,7 +391,7 @@ class MedusaProposer(Proposer):
         logits = self.heads(hidden, roots)[:, :tree.max_depth]  # [B, D, Vd]
         draft_ids, values = tree.candidates(logits.softmax(dim=-1))  # [B, n] each
         node_tokens, values = self.heads.target_ids(draft_ids).cpu(), values.float().cpu()  # [B, n] each
-        widths = torch.tensor([requests[i].tree_width for i in rows])  # [B]
+        widths = torch.tensor([min(requests[i].tree_width, logits.shape[-1]) for i in rows])  # [B] within Vd
         allowed = self.path_max_ranks[None, :] < widths[:, None]  # [B, n]
         # best first; a child's value is at most its parent's, and ties keep (depth, path) order,
         # so parents come first and the first m nodes are the best m-node tree

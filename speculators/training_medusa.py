@@ -120,8 +120,10 @@ def tree_lengths(logits: torch.Tensor, labels: torch.Tensor, tree, max_nodes: in
     if not len(logits):
         return torch.ones(0, dtype=torch.long)
     draft_ids, values = tree.candidates(logits.float().softmax(dim=-1))  # [N, n] each
+    in_vocab = tree.path_max_ranks().to(values.device) < logits.shape[-1]  # [n]
+    values = values.masked_fill(~in_vocab, -1.0)
     kept = torch.zeros_like(values, dtype=torch.bool)  # [N, n]
-    kept.scatter_(1, values.topk(min(max_nodes, len(tree)), dim=1).indices, True)
+    kept.scatter_(1, values.topk(min(max_nodes, int(in_vocab.sum())), dim=1).indices, True)
     depth_index = torch.tensor(tree.depths, device=labels.device) - 1  # [n]
     right = kept & (draft_ids == labels.to(draft_ids.device)[:, depth_index])  # [N, n]
     for i, parent in enumerate(tree.parents):  # parents first: a node counts when its whole path does

@@ -183,9 +183,14 @@ def test_draft_vocabulary_heads_score_their_tokens_and_round_trip(tmp_path):
     assert again.draft_vocab_size == len(draft_vocab) and again.shares_lm_head
     with torch.no_grad():
         torch.testing.assert_close(again(x), small(x))
-    [tree] = MedusaProposer(again, CompiledTree(default_choices(3)), torch.device("cpu")).propose(
-        [ProposalRequest("r", [1, 2], 1, 100, 3, SamplingParams(temperature=0.0), last_hidden=x[0])])
+    proposer = MedusaProposer(again, CompiledTree(default_choices(3)), torch.device("cpu"))  # 9 wide, 8 tokens
+    [tree, wide] = proposer.propose(
+        [ProposalRequest("r", [1, 2], 1, 1000, width, SamplingParams(temperature=0.0), last_hidden=x[0])
+         for width in (3, 9)])
     assert set(tree.token_ids) <= set(draft_vocab.tolist())
+    assert len(wide) == sum(max(c) < len(draft_vocab) for c in default_choices(3))  # ranks the vocabulary has
+    siblings = [(parent, token) for parent, token in zip(wide.parents, wide.token_ids)]
+    assert len(set(siblings)) == len(siblings)  # no token twice below one node
     with torch.no_grad():
         assert tree.token_ids[0] == int(draft_vocab[small(x[:1])[0, 0].argmax()])  # head 0's best, as a target id
 
