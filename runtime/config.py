@@ -13,6 +13,7 @@ from runtime.sampling_params import SPECULATORS, check_speculator, speculator_pa
 # --speculative-tree-width is not (lookahead: extra nodes cost little to verify, and on the
 # input-grounded benchmark trees of width 3 beat chains, 2.65x against 1.99x plain decode).
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "lookahead": 8, "draft": 6, "medusa": 16, "eagle": 16}
+DEFAULT_EAGLE_DEPTH = 5  # EAGLE-2: expansion steps, the deepest draft
 DEFAULT_TREE_WIDTH = {"ngram": 1, "lookahead": 3, "draft": 2, "medusa": 9, "eagle": 4}  # medusa: its default tree's
 DRAFT_DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -74,7 +75,7 @@ class EngineConfig:
     medusa_tree: str | None = None  # JSON list of top-k rank paths; None: every path with ranks summing to <= 2
     # the EAGLE head (speculator "eagle"; speculators/eagle.py), placed by draft_device / draft_dtype
     eagle_head: str | None = None  # checkpoint directory or file (public EAGLE layout)
-    eagle_depth: int = 5  # EAGLE-2: expansion steps (the deepest draft); the tree width is its top-k
+    eagle_depth: int = DEFAULT_EAGLE_DEPTH  # EAGLE-2: expansion steps (the deepest draft); the tree width is its top-k
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

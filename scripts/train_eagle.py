@@ -93,15 +93,18 @@ def main(argv=None) -> int:
                           "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
 
-    def checkpoint(step, val_loss, val_accuracy):
-        save_head(head, out, {**extra, "step": step, "val_loss": val_loss, "val_depth1_accuracy": val_accuracy})
+    def checkpoint(figures):
+        save_head(head, out, {**extra, "step": figures["step"], "val_loss": figures["val_loss"],
+                              "val_depth1_accuracy": figures["val_accuracy"],
+                              "val_step_acceptance": figures["val_step_acceptance"]})
 
     noise = args.noise if args.noise is not None else (0.0 if args.eagle3 else 0.1)
     result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, noise,
                          None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint,
                          unroll=args.unroll)
     print(f"trained in {time.perf_counter() - start:.0f} s: validation depth-1 top-1 accuracy "
-          f"{result['val_accuracy']:.2f} (loss {result['val_loss']:.3f}) -> {out}")
+          f"{result['val_accuracy']:.2f} (loss {result['val_loss']:.3f}), acceptance per step "
+          f"{result['val_step_acceptance']:.2f} (fixed EAGLE-2 trees) -> {out}")
     engine.close()
     return 0
 

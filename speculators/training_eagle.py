@@ -8,7 +8,9 @@ would verify, where the written token is a draw); an EAGLE-1 head also against f
 (smooth L1, with the cross-entropy weighted 0.1). EAGLE-3 features are three target
 layers' inputs, and its draft vocabulary the corpus's most frequent answer tokens
 (`training.draft_vocabulary`). With unroll > 1 the head is also trained on its own drafts
-(EAGLE-3's training-time test). Validation: depth-1 top-1 accuracy, teacher-forced.
+(EAGLE-3's training-time test). Validation: depth-1 top-1 accuracy, teacher-forced, and
+acceptance per decode step (`step_acceptance`: the proposer itself drafts its EAGLE-2
+trees along each validation answer, as a greedy decode with fixed trees would verify them).
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from speculators.base import IGNORE
+from runtime.config import DEFAULT_EAGLE_DEPTH, DEFAULT_SPECULATIVE_TOKENS, DEFAULT_TREE_WIDTH
+from speculators.base import IGNORE, ProposalRequest
 from speculators.training import Sample, autocast, dense_causal_attention, optimizer_with_schedule, target_states
+from speculators.tree import DraftTree
 
 
 @dataclass(slots=True)
@@ -28,7 +32,12 @@ class EagleSample:
     token_ids: torch.Tensor  # [T]
     features: torch.Tensor  # [T, F] bfloat16: the target's features the head reads (head.target_features)
     greedy: torch.Tensor  # [T] the target's greedy token after each position
-    answer_start: int  # first position p whose token p + 2 the target wrote
+    num_prompt_tokens: int
+
+    @property
+    def answer_start(self) -> int:
+        """The first position p whose token p + 2 the target wrote."""
+        return max(self.num_prompt_tokens - 2, 0)
 
 
 def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> list[EagleSample]:
@@ -38,7 +47,7 @@ def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> lis
     samples = [s for s in samples if len(s.token_ids) >= 3]
     for s, hidden, greedy in target_states(model, samples, head.feature_layers, progress=progress):
         out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).to(torch.bfloat16).contiguous(),
-                               greedy, max(s.num_prompt_tokens - 2, 0)))
+                               greedy, s.num_prompt_tokens))
     return out
 
 
@@ -128,9 +137,67 @@ def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float |
     return total, hits, max(t - 2 - start, 0)
 
 
+def greedy_path_length(tree: DraftTree, next_tokens: list[int]) -> int:
+    """How many of next_tokens a greedy verify of the tree accepts: the longest path from
+    the root whose tokens are next_tokens[0], next_tokens[1], ... in turn."""
+    children = tree.children()
+    node, length = -1, 0
+    while length < len(next_tokens):
+        match = [i for i in children[node + 1] if tree.token_ids[i] == next_tokens[length]]
+        if not match:
+            break
+        node, length = match[0], length + 1
+    return length
+
+
+def _as_target_hidden(head, features: torch.Tensor) -> torch.Tensor:
+    """[n, F] -> [n, H'] laid out as ModelRunner.execute hands hidden states to a proposer
+    (the final state, then the feature layers' inputs), zero where the head does not read."""
+    if not head.feature_layers:
+        return features  # EAGLE-1: the final state is its feature
+    return torch.cat([features.new_zeros(features.shape[0], head.target_hidden_size), features], dim=-1)
+
+
 @torch.no_grad()
-def evaluate_eagle(head, samples: list[EagleSample]) -> tuple[float, float]:
-    """(loss, depth-1 top-1 accuracy) over samples, teacher-forced."""
+def step_acceptance(head, samples: list[EagleSample], depth: int = DEFAULT_EAGLE_DEPTH,
+                    tree_width: int = DEFAULT_TREE_WIDTH["eagle"],
+                    max_nodes: int = DEFAULT_SPECULATIVE_TOKENS["eagle"]) -> float:
+    """Mean tokens per verify step when a greedy decode with fixed trees (adaptive sizing
+    off) walks each sample's answer: after the prefill wrote the first answer token, each
+    step the proposer (speculators/eagle.EagleProposer, as the engine runs it) drafts an
+    EAGLE-2 tree from the target's features of the tokens committed so far, the verify
+    keeps the longest path that the answer follows plus the target's own next token, and
+    the next step starts after them. The walk ends where the answer does, so the last step
+    keeps only the tokens up to there. The answers should be the target's greedy ones."""
+    from runtime.sampling_params import SamplingParams
+    from speculators.eagle import EagleProposer
+    longest = max((len(s.token_ids) for s in samples), default=1)
+    proposer = EagleProposer(head, head.fc.weight.device, depth, num_kv_tokens=longest + 8 * max_nodes + 64)
+    params = SamplingParams(temperature=0.0)
+    was_training = head.training
+    head.eval()
+    tokens = steps = 0
+    for k, s in enumerate(samples):
+        ids, length = s.token_ids.tolist(), len(s.token_ids)
+        committed, fed = s.num_prompt_tokens, 0  # tokens 0..committed are in; features from fed on not given yet
+        while committed < length - 1:
+            hidden = _as_target_hidden(head, s.features[fed:committed].to(head.dtype))  # [n, H']
+            request = ProposalRequest(str(k), ids[:committed + 1], s.num_prompt_tokens, max_nodes, tree_width,
+                                      params, new_features=[(fed, hidden)])
+            tree = proposer.propose([request])[0]
+            step = min(greedy_path_length(tree, ids[committed + 1:]) + 1, length - 1 - committed)
+            fed, committed = committed, committed + step
+            tokens, steps = tokens + step, steps + 1
+        proposer.release(str(k))
+    head.train(was_training)
+    return tokens / steps if steps else 1.0
+
+
+@torch.no_grad()
+def evaluate_eagle(head, samples: list[EagleSample], step_acceptance_tree: dict | None = None) -> dict:
+    """{val_loss, val_accuracy (depth-1 top-1, teacher-forced), val_step_acceptance (per
+    decode step with fixed trees: step_acceptance with step_acceptance_tree's depth,
+    tree_width and max_nodes, default the engine's)} over samples."""
     head.eval()
     total, hits, n = 0.0, 0, 0
     for s in samples:
@@ -138,14 +205,18 @@ def evaluate_eagle(head, samples: list[EagleSample]) -> tuple[float, float]:
             loss, h, k = eagle_loss(head, s)
         total, hits, n = total + float(loss), hits + h, n + k
     head.train()
-    return total / max(len(samples), 1), hits / max(n, 1)
+    return {"val_loss": total / max(len(samples), 1), "val_accuracy": hits / max(n, 1),
+            "val_step_acceptance": step_acceptance(head, samples, **(step_acceptance_tree or {}))}
 
 
 def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: int, lr: float = 3e-4,
                 sequences_per_step: int = 4, noise: float = 0.1, max_seconds: float | None = None,
-                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True, unroll: int = 1) -> dict:
+                eval_every: int = 100, seed: int = 0, on_eval=None, progress: bool = True, unroll: int = 1,
+                eval_tree: dict | None = None) -> dict:
     """AdamW with warm-up and cosine decay; each step averages `sequences_per_step` samples,
-    the head unrolled `unroll` drafting steps on each (eagle_loss)."""
+    the head unrolled `unroll` drafting steps on each (eagle_loss). Returns the last
+    validation figures (evaluate_eagle's, with eval_tree; plus step and seconds), which
+    on_eval(figures) is also given at every validation (e.g. to checkpoint)."""
     from tqdm import tqdm
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer, schedule = optimizer_with_schedule(params, lr, steps, betas=(0.9, 0.95))
@@ -172,12 +243,11 @@ def train_eagle(head, train: list[EagleSample], val: list[EagleSample], steps: i
         bar.set_postfix(loss=f"{total:.3f}")
         out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
         if step % eval_every == 0 or step == steps or out_of_time:
-            val_loss, val_acc = evaluate_eagle(head, val)
-            result = {"step": step, "val_loss": val_loss, "val_accuracy": val_acc,
-                      "seconds": time.perf_counter() - start}
-            bar.write(f"step {step}: validation loss {val_loss:.3f}, depth-1 top-1 accuracy {val_acc:.2f}")
+            result = {"step": step, **evaluate_eagle(head, val, eval_tree), "seconds": time.perf_counter() - start}
+            bar.write(f"step {step}: validation loss {result['val_loss']:.3f}, depth-1 top-1 accuracy "
+                      f"{result['val_accuracy']:.2f}, acceptance per step {result['val_step_acceptance']:.2f}")
             if on_eval is not None:
-                on_eval(step, val_loss, val_acc)
+                on_eval(result)
         if out_of_time:
             break
     bar.close()

@@ -28,7 +28,8 @@ from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
 from speculators.training import Sample, dense_causal_attention, draft_vocabulary, target_states
-from speculators.training_eagle import eagle_data, train_eagle
+from speculators.training_eagle import eagle_data, evaluate_eagle, greedy_path_length, train_eagle
+from speculators.tree import DraftTree
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -248,6 +249,36 @@ def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine,
     assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
     proposer = engine.proposers["eagle"]
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def test_validation_acceptance_per_step_is_what_the_engine_measures(eagle_engine, trained_eagle3_dir, generate):
+    """The training's per-step validation figure (the proposer drafting along greedy
+    answers to prompts the head was not trained on, so that some steps accept their whole
+    path and some do not) against the engine's own count, decoding those prompts with
+    fixed trees of the same size."""
+    prompts = ["Name three colours of the rainbow.", "def mul(a, b):", "Once upon a time,"]
+    engine = eagle_engine(trained_eagle3_dir, adaptive=False, num_tokens=12, width=4)
+    answers = generate(engine, prompts, greedy(speculator="none"))
+    model = engine.model
+    head = load_head(trained_eagle3_dir, model.config, model.embed_tokens, model.lm_head).float()
+    samples = [Sample(engine.tokenize(p) + out, len(engine.tokenize(p))) for p, out in zip(prompts, answers)]
+    figures = evaluate_eagle(head, eagle_data(model, samples, head, progress=False),
+                             {"depth": engine.config.eagle_depth, "tree_width": 4, "max_nodes": 12})
+    accepted, steps = engine.stats.num_accepted_tokens, engine.stats.num_verify_steps
+    assert generate(engine, prompts, greedy(speculator="eagle")) == answers
+    measured = 1 + (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
+    assert 1.2 < measured < 3.5, measured  # neither every draft rejected nor every path accepted
+    assert figures["val_step_acceptance"] == pytest.approx(measured, abs=0.05)
+
+
+def test_greedy_path_length_follows_the_tokens_down_the_tree():
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 1, 1, 3])  # root -> 5 | 6 -> (7 | 8 -> 9)
+    assert greedy_path_length(tree, [6, 8, 9, 4]) == 3
+    assert greedy_path_length(tree, [6, 7, 9]) == 2
+    assert greedy_path_length(tree, [5, 5]) == 1
+    assert greedy_path_length(tree, [4]) == 0
+    assert greedy_path_length(tree, [6, 8]) == 2  # the answer ends first
+    assert greedy_path_length(DraftTree([], []), [1]) == 0
 
 
 def test_eagle3_with_lookahead_is_greedy_lossless(eagle_engine, trained_eagle3_dir, generate, plain_outputs):
