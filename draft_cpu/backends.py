@@ -1,8 +1,9 @@
 """CPU backends for the draft model: IPEX when importable, plain PyTorch always.
 
 Both run the same DecoderModel (runtime.models.decoder); a backend only swaps modules:
-  - `torch`: bf16 nn.Linear already runs on AMX through oneDNN; nothing to swap. With
-    `int8`, every linear layer (and the LM head) becomes Int8Linear: per-output-channel
+  - `torch`: bf16 linear layers are prepacked once into oneDNN's blocked layout
+    (runtime.models.packed_linear: PyTorch's own oneDNN ops, as Inductor uses them; a
+    plain bf16 nn.Linear reorders its weight on every call). With `int8`, every linear layer (and the LM head) becomes Int8Linear: per-output-channel
     symmetric int8 weights through `torch.ops.aten._weight_int8pack_mm` (dequantized
     matmul where that op is missing). That op is a matrix-vector kernel: it reads half the
     bytes, so it wins for a few rows, and loses to the float GEMM past a handful. On the
@@ -27,6 +28,7 @@ from torch import nn
 
 from runtime.config import amx_available
 from runtime.models.decoder import RMSNorm
+from runtime.models.packed_linear import prepack_linears
 
 log = logging.getLogger("draft_cpu.backends")
 
@@ -210,6 +212,8 @@ def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
                          f"linear weights not prepacked (oneDNN has no {str(model.dtype)[6:]} kernels on this CPU)")
     elif quantization == "int8":
         parts.append(f"int8 weight-only (torch, {describe_row_limits(quantize_int8_torch(model))})")
+    elif packed := prepack_linears(model):
+        parts.append(f"{packed} linear layers prepacked for oneDNN")
     if device.type == "cpu":
         parts.append(f"AMX {'yes' if amx_available() else 'no'}")
     return ", ".join(parts)

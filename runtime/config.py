@@ -53,6 +53,7 @@ class EngineConfig:
     seed: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton: auto is Triton on CUDA when it can run there, else torch
     enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (they need CUDA and the Triton backend)
+    cpu_weight_prepack: bool = True  # a bf16 target on the CPU: linear weights prepacked for oneDNN once
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
@@ -64,7 +65,7 @@ class EngineConfig:
     # the draft model (speculator "draft"; draft_cpu/)
     draft_model: str | None = None  # alias, .gguf file or HF directory; same vocabulary as the target
     draft_device: str = "auto"  # auto | cpu | cuda: auto is the CPU unless the target is on a GPU and < 4 cores
-    draft_dtype: str = "auto"  # auto: the target's on the same device, else bfloat16 on AMX/CUDA, float32
+    draft_dtype: str = "auto"  # auto: the target's on the same device, else bfloat16 on CUDA/bf16 CPUs, float32
     draft_backend: str = "auto"  # auto | ipex | torch (CPU): auto takes IPEX when it imports
     draft_quantization: str = "none"  # none | int8 (weight-only)
     draft_cpu_cores: str | None = None  # e.g. "0-15"; None: all but one core with a GPU target, unpinned on CPU
@@ -135,10 +136,11 @@ class EngineConfig:
         return device
 
     def resolved_dtype(self, device: torch.device) -> str:
-        """auto: bfloat16 on CUDA and on CPUs with AMX (4x faster matmuls), float32 otherwise."""
+        """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX: 4x faster matmuls than
+        float32; AVX-512 BF16: 2.7x), float32 otherwise (oneDNN would emulate bf16)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device.type == "cuda" or amx_available() else "float32"
+        return "bfloat16" if device.type == "cuda" or cpu_has_bf16_math() else "float32"
 
     def resolved_draft_device(self, target_device: torch.device) -> torch.device:
         """auto: the CPU (the point of this runtime), unless the target is on a GPU and the
@@ -159,7 +161,7 @@ class EngineConfig:
             return self.draft_dtype
         if draft_device.type == target_device.type:
             return target_dtype
-        return "bfloat16" if draft_device.type == "cuda" or amx_available() else "float32"
+        return "bfloat16" if draft_device.type == "cuda" or cpu_has_bf16_math() else "float32"
 
     def speculative_tokens(self, speculator: str) -> int:
         if speculator == "none":
@@ -198,6 +200,9 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="do not capture CUDA graphs for decode and verify steps (they are used on CUDA with "
                              "the triton attention backend)")
+    parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
+                        help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
+                             "them once into oneDNN's blocked layout (1.3x faster decode steps measured)")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", type=_speculator_arg, metavar="{" + ",".join(SPECULATORS) + "}[+...]",
                    help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model, medusa "
@@ -224,7 +229,7 @@ def add_engine_args(parser) -> None:
                         "fewer than 4 cores are available)")
     g.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="draft model dtype (default: auto = the target's on the same device, else bfloat16 on "
-                        "AMX CPUs and GPUs, float32 otherwise)")
+                        "GPUs and CPUs with bf16 math (AMX, AVX-512 BF16), float32 otherwise)")
     g.add_argument("--draft-backend", choices=("auto", "ipex", "torch"),
                    help="CPU draft backend (default: auto = ipex when intel-extension-for-pytorch imports)")
     g.add_argument("--draft-quantization", choices=("none", "int8"),
@@ -257,8 +262,8 @@ def add_engine_args(parser) -> None:
 
 
 # EngineConfig fields set by add_engine_args' flags
-ENGINE_ARGS = ("attention_backend", "enforce_eager", "speculator", "num_speculative_tokens",
-               "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max", "lookahead_global_nodes",
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "speculator",
+               "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max", "lookahead_global_nodes",
                "adaptive_speculation", "draft_model", "draft_device", "draft_dtype", "draft_backend",
                "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap", "medusa_heads",
                "medusa_tree", "eagle_head", "eagle_depth")

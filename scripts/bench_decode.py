@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N; both engines run there (default: cpu)")
     p.add_argument("--kv-cache-memory", default=None, help="engine KV cache size (default: the engine's)")
+    p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
+                   help="a bf16 target on the CPU: leave the engine's linear weights row-major (as HF's are)")
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     if args.max_tokens < 2 or args.repeats < 1 or args.concurrency[0] < 1:
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(max_conc, 1),
-              kv_cache_memory=args.kv_cache_memory, seed=0)
+              kv_cache_memory=args.kv_cache_memory, seed=0, cpu_weight_prepack=args.cpu_weight_prepack)
     t1 = time.perf_counter()
     hf = load_hf(args.model, dtype, args.device)
     t2 = time.perf_counter()
@@ -182,7 +184,7 @@ def main(argv=None) -> None:
         rows.append((conc, hf_single, statistics.median(rates), all_results))
 
     print(f"\nmodel {args.model}  dtype {args.dtype}  device {llm.engine.device}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}  engine weights prepacked: {args.cpu_weight_prepack}")
     print(f"{args.max_tokens} new tokens per request, greedy, EOS ignored; median of {args.repeats} runs "
           f"after a warm-up; {min(len(PROMPTS), max_conc)} distinct prompts of "
           f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens\n")

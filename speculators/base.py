@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.models.packed_linear import PackedLinear
 from runtime.sampling_params import SamplingParams
 from speculators.tree import DraftTree
 
@@ -52,7 +53,10 @@ class TargetInfo:
 
 def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """One of the target's weight-only modules (its embedding, its LM head) for heads that
-    run on `device` in `dtype`: the module itself when it lives there, a frozen copy otherwise."""
+    run on `device` in `dtype`: the module itself when it lives there, a frozen copy otherwise
+    (of a prepacked LM head: a plain nn.Linear over its weight)."""
+    if isinstance(module, PackedLinear) and (module.weight.device != device or module.weight.dtype != dtype):
+        module = module.unpacked()
     if module.weight.device == device and module.weight.dtype == dtype:
         return module
     return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
@@ -61,9 +65,10 @@ def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype)
 def prepare_head(head: torch.nn.Module, config, device: torch.device) -> str:
     """A speculation head on the CPU runs through the draft model's backend and quantization
     (--draft-backend, --draft-quantization; draft_cpu.backends), applied to its own layers
-    only: the target's shared embedding and LM head are not its submodules. "auto" is plain
-    torch here: IPEX made an EAGLE head slower (its few-row matmuls change shape every
-    drafting step) and its bf16 drafts a little worse (README, Medusa and EAGLE heads).
+    only: the target's shared embedding and LM head are not its submodules. "auto" is the
+    torch backend here (bf16 weights prepacked for oneDNN: an EAGLE-3 head's propose 10.0 ->
+    7.3 ms): IPEX made an EAGLE head slower (its few-row matmuls change shape every drafting
+    step) and its bf16 drafts a little worse (README, Medusa and EAGLE heads).
     Returns a note for the start-up log ('' off the CPU)."""
     if device.type != "cpu":
         return ""
