@@ -3,13 +3,14 @@
 Both run the same DecoderModel (runtime.models.decoder); a backend only swaps modules:
   - `torch`: bf16 linear layers are prepacked once into oneDNN's blocked layout
     (runtime.models.packed_linear: PyTorch's own oneDNN ops, as Inductor uses them; a
-    plain bf16 nn.Linear reorders its weight on every call). With `int8`, every linear layer (and the LM head) becomes Int8Linear: per-output-channel
-    symmetric int8 weights through `torch.ops.aten._weight_int8pack_mm` (dequantized
-    matmul where that op is missing). That op is a matrix-vector kernel: it reads half the
-    bytes, so it wins for a few rows, and loses to the float GEMM past a handful. On the
-    CPU each layer shape is timed once at load (`int8_row_limit`), and calls with more
-    rows than int8 wins at run through the float weight, which is then kept: int8 on this
-    path buys speed for small batches, not memory.
+    plain bf16 nn.Linear reorders its weight on every call). With `int8`, every linear
+    layer (and the LM head) becomes Int8Linear: per-output-channel symmetric int8 weights
+    through `torch.ops.aten._weight_int8pack_mm` (dequantized matmul where that op is
+    missing). That op is a matrix-vector kernel: it reads half the bytes, so it wins for a
+    few rows, and loses to the float GEMM past a handful. On the CPU each layer shape is
+    timed once at load against the float layer (`int8_row_limit`, with cold caches, as in
+    a decode step), and calls with more rows than int8 wins at run through the float
+    layer, which is then kept: int8 on this path buys speed for small batches, not memory.
   - `ipex` (intel-extension-for-pytorch): `ipex.optimize` prepacks the linear weights
     into oneDNN's blocked layout, RMSNorm runs IPEX's fused kernel, and `int8` uses IPEX's
     weight-only quantized linear (bf16 compute on AMX).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,7 +30,7 @@ from torch import nn
 
 from runtime.config import amx_available
 from runtime.models.decoder import RMSNorm
-from runtime.models.packed_linear import prepack_linears
+from runtime.models.packed_linear import PackedLinear, can_prepack, prepack_linears
 
 log = logging.getLogger("draft_cpu.backends")
 
@@ -64,7 +66,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [N, K] and one scale per output row (weight-only:
     activations stay in the model dtype). With `max_int8_rows` set, inputs of more rows run
-    through the float weight instead (kept for that)."""
+    through the float layer instead (kept for that: `float_layer`, prepacked where it can be)."""
 
     def __init__(self, linear: nn.Linear, max_int8_rows: int | None = None):
         super().__init__()
@@ -74,15 +76,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.max_int8_rows = max_int8_rows
-        self.register_buffer("weight_float", None if max_int8_rows is None else linear.weight.detach())
+        self.float_layer = None if max_int8_rows is None else float_layer(linear)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        if self.weight_float is not None and x2.shape[0] > self.max_int8_rows:
-            y = nn.functional.linear(x2, self.weight_float)
-        elif x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        if self.float_layer is not None and x2.shape[0] > self.max_int8_rows:
+            return self.float_layer(x)
+        if x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
         else:
             y = nn.functional.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
@@ -91,30 +93,60 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def float_layer(linear: nn.Linear) -> nn.Module:
+    """The float layer a model runs `linear` as without int8: prepacked for oneDNN where it
+    can be (bf16 on the CPU), else the layer itself (its weight then shared)."""
+    if can_prepack(linear.weight.dtype, linear.weight.device):
+        return PackedLinear(linear)
+    return linear
+
+
 ROW_LADDER = (1, 2, 4, 8, 16, 32, 64)  # row counts at which int8 is timed against float
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+def last_level_cache_bytes() -> int:
+    """This CPU's last-level cache size (sysfs), 32 MiB where it cannot be read."""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    sizes = []
+    for size_file in caches:
+        text = size_file.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in "KM":
+            sizes.append(int(text[:-1]) << (10 if text[-1] == "K" else 20))
+    return max(sizes, default=32 << 20)
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 7, warmup: int = 2, cold: bool = False) -> float:
+    """Median wall time of fn in ms. cold: every timed call starts with the caches holding
+    other data (a buffer twice the last-level cache read first), as a layer's weights are in
+    a decode step that reads the whole model."""
+    evict = torch.ones(2 * last_level_cache_bytes() // 4) if cold else None  # float32 elements
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if evict is not None:
+            evict.sum()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
+def cold_median_ms(fn: Callable[[], object]) -> float:
+    return median_ms(fn, repeats=5, warmup=1, cold=True)
+
+
 @torch.inference_mode()
-def int8_row_limit(linear: nn.Linear, timer: Callable[[Callable[[], object]], float] = median_ms) -> int | None:
-    """The most rows (of ROW_LADDER) up to which Int8Linear beats `linear` here, counting
-    up until int8 first loses; None when it wins at every count (no float copy needed)."""
-    int8 = Int8Linear(linear)
+def int8_row_limit(linear: nn.Linear, timer: Callable[[Callable[[], object]], float] = cold_median_ms) -> int | None:
+    """The most rows (of ROW_LADDER) up to which Int8Linear beats the float layer that would
+    run `linear` (float_layer: prepacked where it can be), counting up until int8 first
+    loses; None when it wins at every count (no float copy needed)."""
+    int8, float_path = Int8Linear(linear), float_layer(linear)
     weight = linear.weight
     limit = 0
     for rows in ROW_LADDER:
         x = torch.randn(rows, linear.in_features, dtype=weight.dtype, device=weight.device)  # [M, K]
-        if timer(lambda: int8(x)) >= timer(lambda: linear(x)):
+        if timer(lambda: int8(x)) >= timer(lambda: float_path(x)):
             return limit
         limit = rows
     return None
@@ -128,7 +160,7 @@ def _linear_children(model: nn.Module):
                 yield parent, name, child
 
 
-def quantize_int8_torch(model: nn.Module, timer=median_ms) -> dict[tuple[int, int], int | None]:
+def quantize_int8_torch(model: nn.Module, timer=cold_median_ms) -> dict[tuple[int, int], int | None]:
     """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table). On the
     CPU each distinct (in, out) shape is timed once (int8_row_limit) and its layers run int8
     only up to that many rows. Returns {(in, out): row limit} (None: int8 at any rows)."""

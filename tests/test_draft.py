@@ -467,4 +467,5 @@ def test_int8_quantization_times_each_layer_shape_once():
     assert limits == {(32, 16): 0, (16, 16): 0} and len(timed) == 4
     assert all(isinstance(m, Int8Linear) and m.max_int8_rows == 0 for m in model if not isinstance(m, torch.nn.ReLU))
     x = torch.randn(1, 32)
-    assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight_float, model[0].bias))
+    assert model[0].float_layer is not None and torch.equal(model[0](x), model[0].float_layer(x))
+    assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].float_layer.weight, model[0].bias))
