@@ -117,3 +117,40 @@ def test_int8_layers_run_prepacked_past_their_row_limit():
     torch.testing.assert_close(limited(many), PackedLinear(linear)(many), atol=0, rtol=0)
     few = torch.randn(2, 576).bfloat16()
     torch.testing.assert_close(limited(few), Int8Linear(linear)(few), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("speculator", ["medusa", "eagle"])
+def test_heads_share_the_packed_lm_head(bf16_engines, generate, tmp_path, speculator):
+    """Medusa heads and an EAGLE-1 head project through the target's LM head, which on a
+    bf16 CPU target is a PackedLinear: they draft through it, every draft is verified, and
+    every KV block comes back."""
+    from runtime.sampling_params import SamplingParams
+    from speculators.eagle_heads import EagleHead, save_head
+    from speculators.medusa import MedusaHeads, save_heads
+
+    packed, _ = bf16_engines
+    model = packed.model
+    torch.manual_seed(4)
+    if speculator == "medusa":
+        heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, 3, 1, model.lm_head)
+        for p in heads.parameters():
+            nn.init.normal_(p, std=0.05)
+        packed.config.medusa_heads = str(save_heads(heads, tmp_path / "medusa"))
+    else:
+        head = EagleHead(model.config, model.embed_tokens, model.lm_head)
+        for p in head.parameters():
+            nn.init.normal_(p, std=0.02)
+        packed.config.eagle_head = str(save_head(head, tmp_path / "eagle"))
+    packed.spec_controller.adaptive = False
+    drafted = packed.stats.num_draft_tokens
+    try:
+        prompts = [packed.tokenize(p) for p in PROMPTS]
+        outputs = generate(packed, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                            speculator=speculator))
+    finally:
+        packed.spec_controller.adaptive = True
+        packed.proposers.clear()
+        packed.sync_feature_layers()
+    assert all(len(o) == 8 for o in outputs)
+    assert packed.stats.num_draft_tokens > drafted
+    assert packed.block_manager.num_free_blocks == packed.block_manager.num_blocks
