@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.models.packed_linear import PackedLinear
+from runtime.models.packed_linear import PackedLinear, can_prepack
 from runtime.sampling_params import SamplingParams
 from speculators.tree import DraftTree
 
@@ -54,12 +54,17 @@ class TargetInfo:
 def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """One of the target's weight-only modules (its embedding, its LM head) for heads that
     run on `device` in `dtype`: the module itself when it lives there, a frozen copy otherwise
-    (of a prepacked LM head: a plain nn.Linear over its weight)."""
+    (of a prepacked LM head: made from its weight). A copied LM head is prepacked where it
+    can be (bf16 on the CPU: heads on the host of a GPU target), keeping its weight for the
+    heads that read it."""
     if isinstance(module, PackedLinear) and (module.weight.device != device or module.weight.dtype != dtype):
         module = module.unpacked()
     if module.weight.device == device and module.weight.dtype == dtype:
         return module
-    return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
+    frozen = copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
+    if isinstance(frozen, torch.nn.Linear) and can_prepack(dtype, device):
+        return PackedLinear(frozen, keep_weight=True)
+    return frozen
 
 
 def prepare_head(head: torch.nn.Module, config, device: torch.device) -> str:

@@ -54,6 +54,12 @@ def test_prepack_keeps_the_lm_head_weight_and_unpacks_it():
     assert isinstance(as_float, nn.Linear) and as_float.weight.dtype == torch.float32
     torch.testing.assert_close(as_float.weight, model.embed_tokens.weight.float())
     assert frozen_on(model.lm_head, torch.device("cpu"), torch.bfloat16) is model.lm_head
+    # a float32 target's LM head, copied for bf16 heads on the CPU, is packed (and keeps its weight)
+    float_head = nn.Linear(576, 1000, bias=False)
+    copied = frozen_on(float_head, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(copied, PackedLinear) and copied.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 576).bfloat16()
+    torch.testing.assert_close(copied(x), nn.functional.linear(x, float_head.weight.bfloat16()), atol=0.05, rtol=0.02)
 
 
 @pytest.fixture(scope="module")
