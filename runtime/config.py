@@ -263,7 +263,7 @@ def add_engine_args(parser) -> None:
 
 # EngineConfig fields set by add_engine_args' flags
 ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "speculator",
-               "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max", "lookahead_global_nodes",
-               "adaptive_speculation", "draft_model", "draft_device", "draft_dtype", "draft_backend",
-               "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap", "medusa_heads",
-               "medusa_tree", "eagle_head", "eagle_depth")
+               "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
+               "lookahead_global_nodes", "adaptive_speculation", "draft_model", "draft_device", "draft_dtype",
+               "draft_backend", "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap",
+               "medusa_heads", "medusa_tree", "eagle_head", "eagle_depth")
