@@ -19,6 +19,7 @@ only when it imports cleanly.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -30,7 +31,7 @@ from torch import nn
 
 from runtime.config import amx_available
 from runtime.models.decoder import RMSNorm
-from runtime.models.packed_linear import PackedLinear, can_prepack, prepack_linears
+from runtime.models.packed_linear import PackedLinear, can_prepack, linear_children, prepack_linears
 
 log = logging.getLogger("draft_cpu.backends")
 
@@ -104,6 +105,7 @@ def float_layer(linear: nn.Linear) -> nn.Module:
 ROW_LADDER = (1, 2, 4, 8, 16, 32, 64)  # row counts at which int8 is timed against float
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """This CPU's last-level cache size (sysfs), 32 MiB where it cannot be read."""
     caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
@@ -152,20 +154,12 @@ def int8_row_limit(linear: nn.Linear, timer: Callable[[Callable[[], object]], fl
     return None
 
 
-def _linear_children(model: nn.Module):
-    """(parent module, attribute name, nn.Linear) for every linear layer, LM head included."""
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                yield parent, name, child
-
-
 def quantize_int8_torch(model: nn.Module, timer=cold_median_ms) -> dict[tuple[int, int], int | None]:
     """Swap every nn.Linear for Int8Linear (the tied embedding keeps its float table). On the
     CPU each distinct (in, out) shape is timed once (int8_row_limit) and its layers run int8
     only up to that many rows. Returns {(in, out): row limit} (None: int8 at any rows)."""
     limits: dict[tuple[int, int], int | None] = {}
-    for parent, name, linear in list(_linear_children(model)):
+    for parent, name, linear in list(linear_children(model)):
         shape = (linear.in_features, linear.out_features)
         if shape not in limits:
             limits[shape] = int8_row_limit(linear, timer) if linear.weight.device.type == "cpu" else None
@@ -197,7 +191,7 @@ def quantize_int8_ipex(model: nn.Module, ipex) -> int:
     qconfig = get_weight_only_quant_qconfig_mapping(lowp_mode=lowp).global_qconfig
     swapped = 0
     embed = getattr(model, "embed_tokens", None)
-    for parent, name, linear in list(_linear_children(model)):
+    for parent, name, linear in list(linear_children(model)):
         if embed is not None and parent is model and name == "lm_head" and linear.weight is embed.weight:
             linear = nn.Linear(linear.in_features, linear.out_features, bias=False, dtype=model.dtype)
             linear.weight = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)

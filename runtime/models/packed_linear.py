@@ -60,12 +60,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent module, attribute name, nn.Linear) for every linear layer, LM head included."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
 def prepack_linears(model: nn.Module, keep_weight: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace, in place, every nn.Linear among model's submodules by a PackedLinear (those
     named in keep_weight keep their row-major weight too), where its device and dtype can be
     packed. Returns how many were packed."""
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and can_prepack(child.weight.dtype, child.weight.device)]
+    linears = [(parent, name, child) for parent, name, child in linear_children(model)
+               if can_prepack(child.weight.dtype, child.weight.device)]
     for parent, name, child in linears:
         setattr(parent, name, PackedLinear(child, keep_weight=name in keep_weight))
     return len(linears)
