@@ -2,7 +2,7 @@
 
 Heads are trained here first when their directories are missing (scripts/train_medusa.py and
 scripts/train_eagle.py, self-distillation sharing their corpora: for the default model the
-answers shipped in speculators/data (greedy and sampled), else written from the shipped
+answers shipped in speculators/data (greedy, sampled and varied), else written from the shipped
 training prompts;
 --train-minutes each). Then, on held-out chat prompts (speculators/data/heldout_prompts.jsonl,
 none of them seen in training), greedy, single stream, every system in turn for --repeats

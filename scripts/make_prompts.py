@@ -4,13 +4,16 @@ The shipped `speculators/data/train_prompts.jsonl` (424 prompts) trains a head i
 but its heads stop near 0.47 validation top-1 accuracy (depth 1); with this set's answers
 added, an EAGLE-3 head reached 0.54. This writes `speculators/data/train_large_prompts.jsonl`:
 topics x request templates plus programming tasks x code templates, 2,265 prompts,
-deterministic (a fixed seed picks which topic meets which template).
+deterministic (a fixed seed picks which topic meets which template). With --varied it
+writes `train_varied_prompts.jsonl` instead: the same topics and tasks under 28 other
+kinds of request (and code in Rust, C and scripts), 1,424 prompts.
 
 Nothing here overlaps the held-out prompts (`heldout_prompts.jsonl`): their topics,
 programming tasks and templates are all left out, so held-out acceptance still measures
 prompts of a kind the head never saw (tests/test_prompts.py checks this).
 
     .venv/bin/python scripts/make_prompts.py                 # writes the default path
+    .venv/bin/python scripts/make_prompts.py --varied        # writes train_varied_prompts.jsonl
     .venv/bin/python scripts/train_eagle.py --eagle3 --unroll 3 --data speculators/data/train_large_prompts.jsonl ...
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1] / "speculators" / "data"
 DEFAULT_OUT = DATA / "train_large_prompts.jsonl"
+VARIED_OUT = DATA / "train_varied_prompts.jsonl"
 
 HELDOUT_TEMPLATES = [  # every held-out prompt is one of these (tests/test_prompts.py checks it)
     r"Write a short story that involves (.+)\.",
@@ -127,6 +131,48 @@ CODE_TEMPLATES = [
     "Write a Python function that {} and a few unit tests for it.",
 ]
 
+# --varied: other kinds of request over the same topics and tasks (none a paraphrase of a
+# held-out template), for heads that must not learn a handful of templates: an EAGLE-3
+# head trained on the templates above accepted 3.15 tokens a step on its training answers,
+# 2.65 on unseen prompts of the same templates, 2.13 on the held-out ones
+VARIED_TEMPLATES = [
+    "Write a limerick about {}.",
+    "Write a headline and a short news article about {}.",
+    "Write a letter to a friend explaining what you learned about {}.",
+    "What would the world be like without {}?",
+    "Give me a step-by-step guide to getting started with {}.",
+    "Give me an analogy that explains {}.",
+    "Write a short speech about {} for a school assembly.",
+    "Write a tweet about {}.",
+    "Give me an outline for a ten-minute presentation on {}.",
+    "Write an FAQ with three questions and answers about {}.",
+    "Compare {} with something from everyday life.",
+    "What are the biggest open questions about {} today?",
+    "Write a motivational message inspired by {}.",
+    "How might {} change in the next fifty years?",
+    "Write an advertisement for a museum exhibition about {}.",
+    "Define {} in one sentence, then explain the definition.",
+    "What jobs are connected to {}?",
+    "Write a diary entry by someone learning about {} for the first time.",
+    "Pretend you are a tour guide and talk to visitors about {}.",
+    "Explain {} using only short sentences.",
+    "Give me a mnemonic to remember key facts about {}.",
+    "Write a few lines of a song about {}.",
+    "Give arguments for and against spending public money on {}.",
+    "Write the first paragraph of an encyclopedia entry on {}.",
+    "What mistakes do people often make when they talk about {}?",
+    "Write a riddle whose answer is {}, then explain it.",
+    "Interview an expert about {}: write three questions and their answers.",
+    "Write a thank-you note to the people who work on {}.",
+]
+
+VARIED_CODE_TEMPLATES = [
+    "Write a Rust function that {}.",
+    "Write a C function that {}, with a short main that calls it.",
+    "Write a Python script that {}, and explain each part of it.",
+    "Write type-annotated Python code that {}, and show its output on an example.",
+]
+
 
 def heldout_subjects() -> set[str]:
     """The topics and programming tasks of the held-out prompts (what their templates fill in)."""
@@ -148,27 +194,34 @@ def mentions_heldout(text: str, subjects: set[str]) -> bool:
             or any(re.search(rf"\b{re.escape(stem)}s?\b", text, re.IGNORECASE) for stem in stems))
 
 
-def prompts(templates_per_topic: int, seed: int) -> list[str]:
+def prompts(templates_per_topic: int, seed: int, varied: bool = False) -> list[str]:
     """Every topic meets `templates_per_topic` templates (chosen by the seed); every
-    programming task meets every code template."""
+    programming task meets every code template (the varied ones with `varied`)."""
+    templates, code_templates = (VARIED_TEMPLATES, VARIED_CODE_TEMPLATES) if varied else (TEMPLATES, CODE_TEMPLATES)
     rng = random.Random(seed)
     out = []
     for topic in TOPICS:
-        out += [t.format(topic) for t in rng.sample(TEMPLATES, templates_per_topic)]
-    out += [t.format(task) for task in CODE_TASKS for t in CODE_TEMPLATES]
+        out += [t.format(topic) for t in rng.sample(templates, templates_per_topic)]
+    out += [t.format(task) for task in CODE_TASKS for t in code_templates]
     rng.shuffle(out)
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSONL to write (default: %(default)s)")
-    p.add_argument("--templates-per-topic", type=int, default=10, help="default: %(default)s")
+    p.add_argument("--varied", action="store_true",
+                   help=f"the varied templates, written to {VARIED_OUT.name} by default (6 per topic)")
+    p.add_argument("--out", default=None, help=f"JSONL to write (default: {DEFAULT_OUT})")
+    p.add_argument("--templates-per-topic", type=int, default=None, help="default: 10 (--varied: 6)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if len(set(TOPICS)) != len(TOPICS) or len(set(CODE_TASKS)) != len(CODE_TASKS):
         raise SystemExit("a topic or task is listed twice")
-    lines = prompts(args.templates_per_topic, args.seed)
+    if set(TEMPLATES) & set(VARIED_TEMPLATES):
+        raise SystemExit("a template is both a plain and a varied one")
+    args.out = args.out or str(VARIED_OUT if args.varied else DEFAULT_OUT)
+    per_topic = args.templates_per_topic or (6 if args.varied else 10)
+    lines = prompts(per_topic, args.seed, args.varied)
     with open(args.out, "w") as f:
         for text in lines:
             f.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")

@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--sequences-per-step", type=int, default=4, help="answers averaged per step (default: 4)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
     p.add_argument("--noise", type=float, default=None,
-                   help="uniform noise added to input features (default: 0.1; 0 with --eagle3)")
+                   help="uniform noise added to input features (default: 0.1 for an EAGLE-1 head; 0 for an "
+                        "EAGLE-3 one, new or from --init-head)")
     p.add_argument("--eval-every", type=int, default=100, help="validate (and checkpoint) every N steps")
     p.add_argument("--unroll", type=int, default=1,
                    help="drafting steps the head is trained on, each reading its own previous prediction "
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
                               "val_depth1_accuracy": figures["val_accuracy"],
                               "val_step_acceptance": figures["val_step_acceptance"]})
 
-    noise = args.noise if args.noise is not None else (0.0 if args.eagle3 else 0.1)
+    noise = args.noise if args.noise is not None else (0.1 if head.regresses_features else 0.0)
     result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, noise,
                          None if args.minutes is None else 60 * args.minutes, args.eval_every, args.seed, checkpoint,
                          unroll=args.unroll)

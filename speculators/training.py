@@ -32,21 +32,24 @@ class Sample:
 
 def default_prompt_file(split: str = "train") -> Path:
     """The prompt sets shipped with the package: 'train' (424 prompts, trains in minutes),
-    'train_large' (2,265, scripts/make_prompts.py) or 'heldout'."""
+    'train_large' (2,265, scripts/make_prompts.py), 'train_varied' (1,424 of other request
+    kinds, make_prompts.py --varied) or 'heldout'."""
     return Path(str(resources.files("speculators") / "data" / f"{split}_prompts.jsonl"))
 
 
 SHIPPED_CORPORA = {  # model alias -> its answers in speculators/data, greedy first
-    "smollm2-135m": ("smollm2-135m-train-large-greedy.jsonl.gz", "smollm2-135m-train-large-t0.8.jsonl.gz"),
+    "smollm2-135m": ("smollm2-135m-train-large-greedy.jsonl.gz", "smollm2-135m-train-large-t0.8.jsonl.gz",
+                     "smollm2-135m-train-varied-greedy.jsonl.gz"),
 }
 
 
 def shipped_corpora(model: str) -> list[Path]:
-    """The answers shipped with the package for this model (none for other models): the
-    default model's answers to the 2,265 'train_large' prompts, 192 tokens at most, first
+    """The answers shipped with the package for this model (none for other models), 192
+    tokens at most: the default model's answers to the 2,265 'train_large' prompts, first
     greedy (float32; 79 minutes on a 2-core AVX2 CPU), then sampled at temperature 0.8
     (bf16, seed 2265 + the prompt's index, as a second --corpus writes them; 35 minutes on
-    a 2-core AMX Xeon)."""
+    a 2-core AMX Xeon); then its greedy answers to the 1,424 'train_varied' prompts (bf16;
+    14 minutes on a 2-core AVX-512 BF16 EPYC)."""
     folder = resources.files("speculators") / "data"
     paths = [Path(str(folder / name)) for name in SHIPPED_CORPORA.get(model, ())]
     return [path for path in paths if path.exists()]

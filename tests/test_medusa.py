@@ -517,20 +517,26 @@ def test_validation_on_other_prompts_keeps_them_out_of_training(plain_outputs, t
 
 def test_the_shipped_corpora_are_the_default_models_answers(engine_f32, generate):
     """speculators/data's corpora (what training reads for the default model by default):
-    one answer per 'train_large' prompt each, in order. The greedy one's answers are what
-    our engine writes greedily for those prompts (three of them, across the file, checked
-    here). The sampled one (T = 0.8) is this model's own text but not its greedy text: the
-    target's greedy token is the written one most of the time, not nearly always."""
+    one answer per 'train_large' prompt each, in order, then one per 'train_varied' prompt.
+    The float32 greedy one's answers are what our engine writes greedily for those prompts
+    (three of them, across the file, checked here). The sampled one (T = 0.8) is this
+    model's own text but not its greedy text: the target's greedy token is the written one
+    most of the time, not nearly always. The varied one was written greedily in bf16: float32
+    greedy agrees with nearly every token."""
     from speculators.training import default_prompt_file, load_corpus, load_prompts, shipped_corpora
     paths = shipped_corpora("smollm2-135m")
-    assert len(paths) == 2 and shipped_corpora("some-other-model") == []
-    greedy_samples, sampled = (load_corpus(path, "smollm2-135m") for path in paths)
+    assert len(paths) == 3 and shipped_corpora("some-other-model") == []
+    greedy_samples, sampled, varied = (load_corpus(path, "smollm2-135m") for path in paths)
     prompts = load_prompts(default_prompt_file("train_large"))
     assert len(greedy_samples) == len(sampled) == len(prompts)
     picks = [0, len(prompts) // 2, len(prompts) - 1]
     prompt_ids = [greedy_samples[i].token_ids[:greedy_samples[i].num_prompt_tokens] for i in picks]
     assert prompt_ids == [engine_f32.tokenize(prompts[i]) for i in picks]
     assert [sampled[i].token_ids[:sampled[i].num_prompt_tokens] for i in picks] == prompt_ids
+    varied_prompts = load_prompts(default_prompt_file("train_varied"))
+    assert len(varied) == len(varied_prompts)
+    assert all(varied[i].token_ids[:varied[i].num_prompt_tokens] == engine_f32.tokenize(varied_prompts[i])
+               for i in (0, len(varied) // 2, len(varied) - 1))
     outputs = generate(engine_f32, prompt_ids, greedy(max_tokens=24))
     for i, out in zip(picks, outputs):
         answer = greedy_samples[i].token_ids[greedy_samples[i].num_prompt_tokens:]
@@ -553,3 +559,4 @@ def test_the_shipped_corpora_are_the_default_models_answers(engine_f32, generate
     assert sum(a.token_ids != b.token_ids for a, b in zip(picked_sampled, picked_greedy)) >= 6
     assert agreement(picked_greedy) > 0.97  # float32 here as there
     assert 0.45 < agreement(picked_sampled) < 0.92
+    assert agreement(varied[::len(varied) // 8][:8]) > 0.95

@@ -32,7 +32,19 @@ def test_large_prompt_file_is_what_the_script_writes(tmp_path):
     assert len({line["messages"][0]["content"] for line in lines}) == len(lines)  # no prompt twice
 
 
-@pytest.mark.parametrize("split", ["train", "train_large"])
+def test_varied_prompt_file_is_what_the_script_writes_and_uses_no_plain_template(tmp_path):
+    out = tmp_path / "prompts.jsonl"
+    assert make_prompts.main(["--varied", "--out", str(out)]) == 0
+    assert out.read_text() == default_prompt_file("train_varied").read_text()
+    varied = texts(out)
+    assert len(varied) == len(set(varied)) > 1000
+    plain = [re.escape(t).replace(re.escape("{}"), "(.+)")
+             for t in make_prompts.TEMPLATES + make_prompts.CODE_TEMPLATES]
+    assert not any(re.fullmatch(t, text) for text in varied for t in plain)
+    assert not set(varied) & set(texts(default_prompt_file("train_large")))
+
+
+@pytest.mark.parametrize("split", ["train", "train_large", "train_varied"])
 def test_training_prompts_share_nothing_with_the_heldout_ones(split):
     subjects = make_prompts.heldout_subjects()
     assert len(subjects) >= 10
