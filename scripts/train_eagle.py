@@ -7,8 +7,10 @@ the final hidden state, guesses the next one (feature regression, with EAGLE's f
 noise) and shares the target's LM head. With --eagle3, an EAGLE-3 head reads three
 layers' inputs and has its own LM head over the --draft-vocab tokens the target writes
 most (initialised from the target's rows). --unroll K trains on the head's own drafts
-(training-time test). Writes a checkpoint in the public EAGLE (or EAGLE-3) layout
-(model.safetensors + config.json) that `--speculator eagle --eagle-head DIR` loads.
+(training-time test); --soft-labels K against the target's top-K distribution instead of
+its greedy token. --feature-cache DIR keeps the target's states for the next run. Writes
+a checkpoint in the public EAGLE (or EAGLE-3) layout (model.safetensors + config.json)
+that `--speculator eagle --eagle-head DIR` loads.
 
     python scripts/train_eagle.py --out models/eagle-smollm2             # default model, ~15 min here
     python scripts/train_eagle.py --eagle3 --unroll 3 --out models/eagle3-smollm2
@@ -51,6 +53,13 @@ def parse_args(argv=None):
                    help="--eagle3: the draft vocabulary, the corpus's most written tokens (default: 8192)")
     p.add_argument("--feature-layers", default=None,
                    help="--eagle3: target layers whose inputs the head reads, e.g. 2,15,27 (default: 2, L/2, L-3)")
+    p.add_argument("--soft-labels", type=int, default=0, metavar="K",
+                   help="train against the target's next-token distribution, its top K tokens (EAGLE-3's "
+                        "soft labels), instead of its greedy token (default: 0 = greedy tokens)")
+    p.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="keep the target's states of the corpora here (about 1 GB per 1,000 answers of the "
+                        "default model): a later training with the same target, corpora, feature layers and "
+                        "--soft-labels reads them instead of running the target again")
     return p.parse_args(argv)
 
 
@@ -84,7 +93,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     model = engine.model
     head = new_head(args, model, train_samples).to(model.embed_tokens.weight.device)
-    train = eagle_data(model, train_samples, head)
+    train = eagle_data(model, train_samples, head, top_k=args.soft_labels, cache_dir=args.feature_cache)
     val = eagle_data(model, val_samples, head)
     print(f"{len(train)} training answers, {len(val)} validation answers")
     model.requires_grad_(False)
@@ -92,7 +101,8 @@ def main(argv=None) -> int:
              "training": {"corpora": [path.name for path in corpus_paths(args)],
                           "validation": Path(args.val_prompts).name if args.val_prompts else "first corpus",
                           "answers": len(train_samples) + len(val_samples),
-                          "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head}}
+                          "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head,
+                          "soft_labels": args.soft_labels}}
 
     def checkpoint(figures):
         save_head(head, out, {**extra, "step": figures["step"], "val_loss": figures["val_loss"],

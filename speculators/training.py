@@ -5,7 +5,8 @@ a prompt set, and heads learn to predict what the target does next.
      prompt + answer as token ids. Saved as JSONL so several trainings share one corpus.
   2. `target_states`: one causal forward of the target over a whole sample (dense
      attention, no KV cache) gives its final hidden states [T, H], the features the heads
-     read at serving time, and its greedy next token at every position.
+     read at serving time, its greedy next token at every position and, for soft labels,
+     its top next-token probabilities.
 
 The heads' own data, losses and loops: speculators/training_medusa.py and
 speculators/training_eagle.py.
@@ -216,23 +217,31 @@ def dense_causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 @torch.no_grad()  # not inference_mode: the states are training inputs and targets
 def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] = (), greedy: bool = True,
-                  progress: bool = True):
-    """For each sample in order, (sample, hidden, greedy tokens): the target's final hidden
-    states (after the last norm) at every position, [T, H] float32, with feature_layers
-    [T, (1 + k) H]: then the inputs of those layers (DecoderModel.forward); and, with greedy,
-    its greedy next token after every position ([T], the argmax of its logits; else None:
-    the LM head is about a fifth of the forward). One forward per sample: packing several
-    into one forward under a block-diagonal mask was slower on the CPU (0.27 s a sample
-    alone, 0.32 in packs of 512 tokens, 1.1 in packs of 2048: a masked attention takes
-    scaled_dot_product_attention's unfused path)."""
+                  top_k: int = 0, progress: bool = True):
+    """For each sample in order, (sample, hidden, greedy tokens, top): the target's final
+    hidden states (after the last norm) at every position, [T, H] float32, with
+    feature_layers [T, (1 + k) H]: then the inputs of those layers (DecoderModel.forward);
+    with greedy, its greedy next token after every position ([T], the argmax of its logits;
+    else None: the LM head is about a fifth of the forward); with top_k, its next-token
+    distribution at every position cut to its top_k tokens, (ids [T, top_k] int32,
+    probabilities [T, top_k] float16, not renormalised; else None). One forward per
+    sample: packing several into one forward under a block-diagonal mask was slower on the
+    CPU (0.27 s a sample alone, 0.32 in packs of 512 tokens, 1.1 in packs of 2048: a masked
+    attention takes scaled_dot_product_attention's unfused path)."""
     from tqdm import tqdm
     device = model.embed_tokens.weight.device
     for s in tqdm(samples, desc="target features", unit="sample", disable=not progress):
         ids = torch.tensor(s.token_ids, device=device)
         positions = torch.arange(len(s.token_ids), device=device)
         hidden = model(ids, positions, dense_causal_attention, feature_layers)  # [T, F]
-        tokens = model.compute_logits(hidden[:, :model.config.hidden_size]).argmax(dim=-1).cpu() if greedy else None
-        yield s, hidden.float().cpu(), tokens  # [T, F], [T]
+        tokens = top = None
+        if greedy or top_k:
+            logits = model.compute_logits(hidden[:, :model.config.hidden_size]).float()  # [T, V]
+            tokens = logits.argmax(dim=-1).cpu() if greedy else None
+            if top_k:
+                probs, top_ids = logits.softmax(dim=-1).topk(top_k, dim=-1)  # [T, top_k] each
+                top = (top_ids.to(torch.int32).cpu(), probs.to(torch.float16).cpu())
+        yield s, hidden.float().cpu(), tokens, top  # [T, F], [T]
 
 
 def autocast(module: nn.Module):

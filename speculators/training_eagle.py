@@ -4,19 +4,24 @@ The head reads (f_p, token p + 1) for every p of a sample in one causal pass (EA
 uniform noise on the input features) and is scored by the cross-entropy of its draft
 distribution against the target's greedy token at p + 2 (its argmax after token p + 1:
 the token it wrote, in a greedy corpus; in a sampled one, the choice a greedy request
-would verify, where the written token is a draw); an EAGLE-1 head also against f_{p+1}
-(smooth L1, with the cross-entropy weighted 0.1). EAGLE-3 features are three target
+would verify, where the written token is a draw), or with soft labels against the
+target's whole next-token distribution there (its top-k; EAGLE-3's recipe); an EAGLE-1
+head also against f_{p+1} (smooth L1, with the cross-entropy weighted 0.1). EAGLE-3 features are three target
 layers' inputs, and its draft vocabulary the corpus's most frequent answer tokens
 (`training.draft_vocabulary`). With unroll > 1 the head is also trained on its own drafts
 (EAGLE-3's training-time test). Validation: depth-1 top-1 accuracy, teacher-forced, and
 acceptance per decode step (`step_acceptance`: the proposer itself drafts its EAGLE-2
 trees along each validation answer, as a greedy decode with fixed trees would verify them).
+The target's states of a corpus can be cached on disk (eagle_data's cache_dir).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,6 +38,8 @@ class EagleSample:
     features: torch.Tensor  # [T, F] bfloat16: the target's features the head reads (head.target_features)
     greedy: torch.Tensor  # [T] the target's greedy token after each position
     num_prompt_tokens: int
+    top_ids: torch.Tensor | None = None  # [T, k] int32: the target's top-k next tokens after each position
+    top_probs: torch.Tensor | None = None  # [T, k] float16: their probabilities (soft labels)
 
     @property
     def answer_start(self) -> int:
@@ -40,15 +47,77 @@ class EagleSample:
         return max(self.num_prompt_tokens - 2, 0)
 
 
-def eagle_data(model, samples: list[Sample], head, progress: bool = True) -> list[EagleSample]:
+CACHE_CHUNK = 256  # samples per cache file: a corpus added after the others leaves their files valid
+
+
+def eagle_data(model, samples: list[Sample], head, progress: bool = True, top_k: int = 0,
+               cache_dir: str | Path | None = None) -> list[EagleSample]:
     """The samples with the target's features (kept in bfloat16, which the head's bf16
-    autocast reads anyway: half the memory of a large corpus) and greedy tokens."""
-    out = []
+    autocast reads anyway: half the memory of a large corpus), greedy tokens and, with
+    top_k, its top_k next-token probabilities (soft labels). With cache_dir, each run of
+    CACHE_CHUNK samples is read from there when the same target (its dtype and a
+    fingerprint of its weights), feature layers, top_k and samples were extracted before,
+    else written there as it is extracted: the target's forward over a large corpus takes
+    longer than a continued training."""
     samples = [s for s in samples if len(s.token_ids) >= 3]
-    for s, hidden, greedy in target_states(model, samples, head.feature_layers, progress=progress):
-        out.append(EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).to(torch.bfloat16).contiguous(),
-                               greedy, s.num_prompt_tokens))
+    if cache_dir is None:
+        return list(_extract(model, samples, head, top_k, progress))
+    chunks = [samples[i:i + CACHE_CHUNK] for i in range(0, len(samples), CACHE_CHUNK)]
+    target = _target_key(model, head.feature_layers, top_k)
+    paths = [Path(cache_dir) / f"eagle-states-{_chunk_key(target, chunk)}.pt" for chunk in chunks]
+    extracted = _extract(model, [s for c, path in zip(chunks, paths) if not path.exists() for s in c], head, top_k,
+                         progress)
+    out = []
+    for chunk, path in zip(chunks, paths):
+        if path.exists():
+            out += _load_states(path, chunk)
+        else:
+            data = [next(extracted) for _ in chunk]
+            _save_states(path, data)
+            out += data
     return out
+
+
+def _extract(model, samples: list[Sample], head, top_k: int, progress: bool):
+    for s, hidden, greedy, top in target_states(model, samples, head.feature_layers, top_k=top_k, progress=progress):
+        top_ids, top_probs = top if top is not None else (None, None)
+        yield EagleSample(torch.tensor(s.token_ids), head.target_features(hidden).to(torch.bfloat16).contiguous(),
+                          greedy, s.num_prompt_tokens, top_ids, top_probs)
+
+
+def _target_key(model, feature_layers: tuple[int, ...], top_k: int) -> str:
+    """What the target's states depend on besides the samples: its shapes, dtype and weights
+    (a fingerprint: the final norm and the first embedding rows), the layers read, top_k."""
+    fingerprint = [float(model.norm.weight.double().sum()), float(model.embed_tokens.weight[:64].double().sum())]
+    return json.dumps([repr(model.config), str(model.dtype), fingerprint, list(feature_layers), top_k])
+
+
+def _chunk_key(target_key: str, samples: list[Sample]) -> str:
+    digest = hashlib.sha256(target_key.encode())
+    for s in samples:
+        digest.update(json.dumps([s.num_prompt_tokens, s.token_ids]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _save_states(path: Path, data: list[EagleSample]) -> None:
+    """One file, each field concatenated over the samples (thousands of small tensors save slowly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = {"features": [d.features for d in data], "greedy": [d.greedy for d in data]}
+    if data and data[0].top_ids is not None:
+        fields.update(top_ids=[d.top_ids for d in data], top_probs=[d.top_probs for d in data])
+    partial = path.with_suffix(".partial")
+    torch.save({name: torch.cat(parts) for name, parts in fields.items()}, partial)
+    partial.rename(path)  # a killed run leaves no cache that looks whole
+
+
+def _load_states(path: Path, samples: list[Sample]) -> list[EagleSample]:
+    stored = torch.load(path, weights_only=True)
+    lengths = [len(s.token_ids) for s in samples]
+    parts = {name: tensor.split(lengths) for name, tensor in stored.items()}
+    return [EagleSample(torch.tensor(s.token_ids), parts["features"][i], parts["greedy"][i], s.num_prompt_tokens,
+                        parts["top_ids"][i] if "top_ids" in parts else None,
+                        parts["top_probs"][i] if "top_probs" in parts else None)
+            for i, s in enumerate(samples)]
 
 
 class UnrolledAttention:
@@ -106,7 +175,9 @@ def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float |
     output also against f_{p+1} (smooth L1; the cross-entropy weighted ce_weight, default
     0.1, else 1). With unroll > 1 the head then drafts on from its own outputs, as it does
     when serving (training-time test, unrolled_predictions): step k is scored against the
-    same targets where p >= k, with weight decay^k. Hits count step 0 only."""
+    same targets where p >= k, with weight decay^k. Hits count step 0 only. A sample with
+    the target's top-k probabilities (eagle_data's top_k) is scored against them instead of
+    its greedy token (soft_cross_entropy; EAGLE-3 trains on the target's distribution)."""
     device = head.fc.weight.device
     tokens, feats = sample.token_ids.to(device), sample.features.to(device, torch.float32)
     greedy = sample.greedy.to(device)
@@ -126,15 +197,36 @@ def eagle_loss(head, sample: EagleSample, noise: float = 0.0, ce_weight: float |
         first = max(start, step)
         logits = head.draft_logits(predicted[first:t - 2])  # [n, Vd] token p + 2
         targets = greedy[first + 1:t - 1]  # [n] the target's token p + 2
-        labels = head.draft_ids(targets)  # [n], IGNORE outside the draft vocabulary
-        if (labels != IGNORE).any():
-            loss = loss + ce_weight * nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        if sample.top_ids is not None:
+            loss = loss + ce_weight * soft_cross_entropy(head, logits, sample.top_ids[first + 1:t - 1].to(device),
+                                                         sample.top_probs[first + 1:t - 1].to(device))
+        else:
+            labels = head.draft_ids(targets)  # [n], IGNORE outside the draft vocabulary
+            if (labels != IGNORE).any():
+                loss = loss + ce_weight * nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
         total = total + decay ** step * loss
         if step == 0:
             hits = int((head.target_ids(logits.argmax(dim=-1)) == targets).sum())
     if not torch.is_tensor(total):  # nothing to score: a zero that still backpropagates
         total = predicted.sum() * 0.0
     return total, hits, max(t - 2 - start, 0)
+
+
+def soft_cross_entropy(head, logits: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor):
+    """Cross-entropy of the draft distribution (logits [n, Vd]) against the target's
+    (EAGLE-3's soft labels), known by its top-k tokens (top_ids [n, k], top_probs [n, k]):
+    the part in the draft vocabulary, renormalised; positions with none of it are skipped.
+    Its minimum is the draft distribution equal to the target's there, which is what both
+    a greedy verify (the same argmax) and the rejection sampler (sum min(p, q)) reward."""
+    draft = head.draft_ids(top_ids.long())  # [n, k], IGNORE outside the draft vocabulary
+    probs = torch.where(draft != IGNORE, top_probs.float(), 0.0)  # [n, k]
+    target = torch.zeros_like(logits).scatter_add_(1, draft.clamp_min(0), probs)  # [n, Vd]
+    mass = target.sum(dim=-1)  # [n]
+    kept = mass > 0
+    if not kept.any():
+        return logits.sum() * 0.0
+    target = target[kept] / mass[kept, None]
+    return -(target * logits[kept].log_softmax(dim=-1)).sum(dim=-1).mean()
 
 
 def greedy_path_length(tree: DraftTree, next_tokens: list[int]) -> int:

@@ -50,7 +50,7 @@ def medusa_data(model, samples: list[Sample], num_heads: int, reads_token: bool 
     """Features, labels (medusa_labels, for heads that read the root token or not) and root
     tokens of every answer position of every sample."""
     features, labels, roots, lengths = [], [], [], []
-    for s, hidden, greedy in target_states(model, samples, greedy=True, progress=progress):
+    for s, hidden, greedy, _ in target_states(model, samples, greedy=True, progress=progress):
         positions = torch.arange(max(s.num_prompt_tokens - 1, 0), len(s.token_ids) - 2)  # [n] the next token exists
         if not len(positions):
             continue

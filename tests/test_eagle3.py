@@ -9,8 +9,10 @@ references nobody here wrote.
   published architecture assembled here from HF transformers' own Llama modules
   (LlamaRMSNorm, LlamaAttention with 2H-wide q/k/v, LlamaMLP, LlamaRotaryEmbedding);
   draft ids map to target tokens through d2t. Bad checkpoints are named errors.
-- Training: the draft vocabulary is the most written tokens (the unrolled steps of either
-  head against step-by-step drafting: test_eagle.py).
+- Training: the draft vocabulary is the most written tokens; soft labels are the target's
+  top-k probabilities (against HF's softmax) and their loss torch's cross-entropy over
+  the draft vocabulary; cached target states read back whole (the unrolled steps of
+  either head against step-by-step drafting: test_eagle.py).
 - Through the engine, float32, batched: a random and a briefly trained EAGLE-3 head give
   the output of `--speculator none`, the trained one landing drafts, alone and merged
   with the Lookahead Cache's trees (`eagle+lookahead`); blocks all return.
@@ -28,7 +30,9 @@ from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
 from speculators.training import Sample, dense_causal_attention, draft_vocabulary, target_states
-from speculators.training_eagle import eagle_data, evaluate_eagle, greedy_path_length, train_eagle
+from speculators.draft_vocab import DraftVocabulary
+from speculators.training_eagle import (eagle_data, evaluate_eagle, greedy_path_length, soft_cross_entropy,
+                                       train_eagle)
 from speculators.tree import DraftTree
 
 PROMPTS = [
@@ -186,15 +190,82 @@ def test_draft_vocabulary_is_the_most_written_answer_tokens():
 # ---- the default model, through the engine -----------------------------------------------------------
 
 @torch.no_grad()
-def test_feature_layers_and_greedy_tokens_equal_hf(engine_f32, hf_smollm):
+def test_feature_layers_greedy_tokens_and_soft_labels_equal_hf(engine_f32, hf_smollm):
     samples = [Sample(engine_f32.tokenize(p), 0) for p in PROMPTS[:3]]
-    states = list(target_states(engine_f32.model, samples, SMOLLM_LAYERS, progress=False))
-    assert [s for s, _, _ in states] == samples
-    for s, ours, greedy in states:  # [T, 4H], [T]
+    states = list(target_states(engine_f32.model, samples, SMOLLM_LAYERS, top_k=5, progress=False))
+    assert [s for s, _, _, _ in states] == samples
+    for s, ours, greedy, (top_ids, top_probs) in states:  # [T, 4H], [T], [T, 5] x 2
         out = hf_smollm(torch.tensor([s.token_ids]), output_hidden_states=True)
         reference = torch.cat([out.hidden_states[-1][0]] + [out.hidden_states[j][0] for j in SMOLLM_LAYERS], dim=-1)
         torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
         assert greedy.tolist() == out.logits[0].argmax(dim=-1).tolist()
+        probs = out.logits[0].float().softmax(dim=-1)  # [T, V]
+        torch.testing.assert_close(top_probs.float(), probs.topk(5, dim=-1).values, atol=1e-3, rtol=1e-3)
+        # the ids are those probabilities' tokens (where HF's ranking ties, either order is right)
+        torch.testing.assert_close(probs.gather(1, top_ids.long()), top_probs.float(), atol=1e-3, rtol=1e-3)
+        assert top_ids.dtype == torch.int32 and top_probs.dtype == torch.float16
+
+
+class _ThreeTokenVocab(DraftVocabulary, torch.nn.Module):
+    """Draft ids 0, 1, 2 for target tokens 1, 5, 9 of a 12-token vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.init_draft_vocab(12, 3)
+        self.set_draft_vocab(torch.tensor([1, 5, 9]))
+
+
+def test_soft_labels_are_the_target_distribution_on_the_draft_vocabulary():
+    """soft_cross_entropy against torch's cross-entropy with probability targets, written
+    out by hand: the target's top tokens outside the draft vocabulary drop out, the rest is
+    renormalised, and a position with none of it in the draft vocabulary is skipped."""
+    vocab = _ThreeTokenVocab()
+    logits = torch.tensor([[0.3, -1.0, 2.0], [1.0, 0.0, 0.5], [0.0, 0.2, -0.4]], requires_grad=True)  # [3, Vd]
+    top_ids = torch.tensor([[5, 2, 9], [2, 3, 4], [1, 9, 5]], dtype=torch.int32)  # row 1: none in the vocabulary
+    top_probs = torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1], [0.7, 0.2, 0.05]], dtype=torch.float16)
+    ours = soft_cross_entropy(vocab, logits, top_ids, top_probs)
+    targets = torch.tensor([[0.0, 0.5 / 0.6, 0.1 / 0.6], [0.7 / 0.95, 0.05 / 0.95, 0.2 / 0.95]])  # rows 0 and 2
+    reference = torch.nn.functional.cross_entropy(logits[[0, 2]], targets)
+    torch.testing.assert_close(ours, reference, atol=1e-3, rtol=1e-3)
+    ours.backward()
+    assert logits.grad[1].abs().sum() == 0  # the skipped position takes no part
+    none_in_vocab = soft_cross_entropy(vocab, logits, top_ids[1:2], top_probs[1:2])
+    assert float(none_in_vocab.detach()) == 0.0 and none_in_vocab.requires_grad
+
+
+def test_target_states_cache_reads_back_what_was_extracted_and_misses_on_any_change(engine_f32, tmp_path,
+                                                                                    monkeypatch):
+    import speculators.training_eagle as training_eagle
+    extracted = []
+
+    def counting_target_states(model, samples, *args, **kwargs):
+        extracted.extend(samples)
+        return target_states(model, samples, *args, **kwargs)
+
+    monkeypatch.setattr(training_eagle, "target_states", counting_target_states)
+    monkeypatch.setattr(training_eagle, "CACHE_CHUNK", 2)
+    model = engine_f32.model
+    samples = [Sample(engine_f32.tokenize(p), 2) for p in PROMPTS]
+    head = smollm_eagle3_head(engine_f32, samples)
+    written = eagle_data(model, samples, head, progress=False, top_k=4, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 2 and extracted == samples  # chunks of 2 and 1
+    extracted.clear()
+    read = eagle_data(model, samples, head, progress=False, top_k=4, cache_dir=tmp_path)
+    assert extracted == []
+    for a, b in zip(written, read, strict=True):
+        for field in ("token_ids", "features", "greedy", "top_ids", "top_probs"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert a.num_prompt_tokens == b.num_prompt_tokens
+    more = samples + [Sample(engine_f32.tokenize("One more prompt, added later."), 2)]
+    eagle_data(model, more, head, progress=False, top_k=4, cache_dir=tmp_path)
+    assert extracted == more[2:]  # the first chunk is unchanged and read back
+    extracted.clear()
+    hard = eagle_data(model, samples, head, progress=False, top_k=0, cache_dir=tmp_path)  # other labels
+    assert extracted == samples and hard[0].top_ids is None and torch.equal(hard[0].features, written[0].features)
+    extracted.clear()
+    eagle_data(model, [Sample(s.token_ids, 3) for s in samples[:2]], head, progress=False, top_k=4,
+               cache_dir=tmp_path)  # other prompt lengths
+    assert len(extracted) == 2
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +294,20 @@ def trained_eagle3_dir(engine_f32, plain_outputs, tmp_path_factory):
                          progress=False, unroll=2)
     assert result["val_accuracy"] > 0.5, result  # it learned the outputs it was shown
     return save_head(head, tmp_path_factory.mktemp("eagle3") / "trained")
+
+
+def test_soft_label_training_learns_the_targets_tokens(engine_f32, plain_outputs):
+    """Trained against the target's top-8 distribution (EAGLE-3's soft labels) instead of
+    its greedy token, the head still learns the greedy outputs it was shown."""
+    torch.manual_seed(0)
+    samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
+               for p, out in zip(PROMPTS, plain_outputs)]
+    head = smollm_eagle3_head(engine_f32, samples)
+    data = eagle_data(engine_f32.model, samples, head, progress=False, top_k=8)
+    before = evaluate_eagle(head, data)["val_accuracy"]
+    result = train_eagle(head, data, data, steps=60, lr=2e-3, sequences_per_step=2, noise=0.0, eval_every=60,
+                         progress=False, unroll=2)
+    assert result["val_accuracy"] > max(0.5, before + 0.2), (before, result)
 
 
 def test_random_eagle3_head_is_greedy_lossless(eagle_engine, engine_f32, plain_outputs, generate, tmp_path):
