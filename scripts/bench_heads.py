@@ -14,6 +14,9 @@ interleaved rounds after a warm-up, the median round shown:
   - ours EAGLE (chain):  the EAGLE head, tree width 1;
   - ours EAGLE-2 (tree): the EAGLE head, dynamic trees of --eagle-width;
   - ours EAGLE-3 chain / tree: the EAGLE-3 head (--eagle3-head), the same two ways;
+  - ours EAGLE-3 tree, EAGLE-2's size: the tree EAGLE-2 publishes for GPU targets (depth 6,
+                         top-10, 60 nodes) instead of the engine's CPU-sized default (depth 5,
+                         top-4, 16 nodes);
   - ours EAGLE-3 tree + lookahead: `eagle+lookahead`, the head's tree (top-4) and the
                          Lookahead Cache's (width 3) merged, 16 + 8 nodes;
   - ours lookahead:      the lookahead proposer (tree width 3);
@@ -32,23 +35,39 @@ length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
 from runtime import LLM  # noqa: E402
-from runtime.config import DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
+from runtime.config import DEFAULT_EAGLE_DEPTH, DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
 from runtime.speculation import SpeculationController  # noqa: E402
 from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
 from speculators.training import default_prompt_file, load_prompts  # noqa: E402
 
 from bench_decode import load_hf  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from bench_spec import Measure, System, add_metrics, print_table, ratio, run_engine, run_hf, use_system  # noqa: E402
+
+
+class TreeSize(NamedTuple):
+    depth: int
+    width: int
+    nodes: int
+
+    def __str__(self) -> str:
+        return f"depth {self.depth}, top-{self.width}, {self.nodes} nodes"
+
+
+# EAGLE-2's published tree for GPU targets (6 expansion steps, top-10, 60 verified nodes), against
+# the engine's CPU-sized default (runtime/config.py)
+PAPER_TREE = TreeSize(depth=6, width=10, nodes=60)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,13 +139,16 @@ def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None
             rows += [(System(f"eagle3-chain-{device}", "ours EAGLE-3 chain" + where, "eagle", 1), device),
                      (System(f"eagle3-tree-{device}", f"ours EAGLE-3 tree (top-{args.eagle_width})" + where,
                              "eagle", args.eagle_width), device),
+                     (System(f"eagle3-wide-{device}", f"ours EAGLE-3 tree, EAGLE-2's size ({PAPER_TREE})" + where,
+                             "eagle", PAPER_TREE.width, num_tokens=PAPER_TREE.nodes, eagle_depth=PAPER_TREE.depth),
+                      device),
                      (System(f"eagle3-lookahead-{device}", "ours EAGLE-3 tree + lookahead" + where,
                              "eagle+lookahead", None), device)]
     rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
     rows = [(system, device) for system, device in rows if selected(args, system.key)]
     if args.fixed_rows:
-        rows += [(System(system.key + "-fixed", system.label + ", fixed", system.speculator, system.tree_width,
-                         controller=SpeculationController(adaptive=False)), device)
+        rows += [(dataclasses.replace(system, key=system.key + "-fixed", label=system.label + ", fixed",
+                                      proposers={}, controller=SpeculationController(adaptive=False)), device)
                  for system, device in rows if system.speculator not in (None, "none")]
     return rows
 
@@ -150,6 +172,8 @@ def main(argv=None) -> None:
     def select(system: System, device: str | None) -> None:
         llm.engine.config.draft_device = device or "auto"
         llm.engine.config.eagle_head = args.eagle3_head if system.key.startswith("eagle3") else args.eagle_head
+        llm.engine.config.num_speculative_tokens = system.num_tokens
+        llm.engine.config.eagle_depth = system.eagle_depth or DEFAULT_EAGLE_DEPTH  # read as the proposer is built
         use_system(llm, system, True)
 
     for system, device in systems:  # warm-up (and build each system's proposers on its device)
@@ -195,7 +219,7 @@ def main(argv=None) -> None:
           f"{'  heads int8' if args.draft_quantization == 'int8' else ''}")
     print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
           f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), then "
-          f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE, "
+          f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE unless the row says, "
           f"{DEFAULT_SPECULATIVE_TOKENS['eagle'] + DEFAULT_SPECULATIVE_TOKENS['lookahead']} with lookahead, "
           f"{DEFAULT_SPECULATIVE_TOKENS['medusa']} for Medusa, every step)\n")
     plain, hf_rate = measures["plain"].rate, measures["hf"].rate
@@ -212,6 +236,7 @@ def main(argv=None) -> None:
     for key, name, targets in (("eagle-tree", "EAGLE-2 (EAGLE head, trees)", " (targets: >= 2.5, >= 1.8x)"),
                                ("medusa", "Medusa", " (target: >= 1.8)"),
                                ("eagle3-tree", "EAGLE-3 head, EAGLE-2 trees", ""),
+                               ("eagle3-wide", f"EAGLE-3 head, EAGLE-2's trees ({PAPER_TREE})", ""),
                                ("eagle3-lookahead", "EAGLE-3 trees + lookahead", "")):
         m = measures.get(f"{key}-{where}")
         if m is not None:

@@ -124,6 +124,8 @@ class System:
     speculator: str | None = None  # engine rows; None for HF rows
     tree_width: int | None = 1  # None: each speculator's default (a combined one's parts their own)
     hf_lookup: int = 0  # HF prompt_lookup_num_tokens; 0 = plain
+    num_tokens: int | None = None  # bench_heads: draft nodes per step; None: the speculator's default
+    eagle_depth: int | None = None  # bench_heads: EAGLE-2 expansion steps; None: the engine's default
     # per-system engine state swapped in before it runs
     proposers: dict = field(default_factory=dict)
     controller: SpeculationController | None = None
