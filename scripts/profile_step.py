@@ -1,6 +1,7 @@
 """Where one decode step's time goes: the engine, the runner's input preparation, the model's
 forward (split by operator kind with torch.profiler) and the LM head, for single-stream
-greedy decoding (or --batch requests at once).
+greedy decoding (or --batch requests at once), plain or speculative (--speculator: then a
+step verifies a draft, and the proposers' drafting is split out of the engine's share).
 
 The engine's own work (scheduling, proposing, sampling, committing, detokenizing) is the
 step's wall time minus `ModelRunner.execute`; the runner's preparation (token, position,
@@ -9,6 +10,7 @@ the timed steps; the operator table comes from a second, profiled run.
 
     .venv/bin/python scripts/profile_step.py
     .venv/bin/python scripts/profile_step.py --batch 32 --max-tokens 64
+    .venv/bin/python scripts/profile_step.py --speculator eagle --eagle-head models/eagle3-smollm2 --fixed
 """
 from __future__ import annotations
 
@@ -70,10 +72,16 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1, help="requests at once (default: 1, single stream)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--speculator", default="none", help="e.g. eagle, lookahead, eagle+lookahead (default: none)")
+    p.add_argument("--eagle-head", default=None, help="speculator eagle: the head's directory")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft nodes (default: the speculator's)")
+    p.add_argument("--fixed", action="store_true", help="adaptive speculation off: every step drafts the whole tree")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch, 1), seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch, 1), seed=0,
+              speculator=args.speculator, eagle_head=args.eagle_head, adaptive_speculation=not args.fixed,
+              num_speculative_tokens=args.num_speculative_tokens)
     engine, runner = llm.engine, llm.engine.runner
     prompts = [PROMPT] * args.batch
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -81,28 +89,41 @@ def main(argv=None) -> None:
 
     step, execute = Timer(engine, "step"), Timer(runner, "execute")
     forward, logits = Timer(runner.model, "forward"), Timer(runner.model, "compute_logits")
-    llm.generate(prompts, params, use_tqdm=False)
+    drafting = [Timer(proposer, "propose") for proposer in engine.proposers.values()]
+    results = llm.generate(prompts, params, use_tqdm=False)
     timed = {name: t.times[1:] for name, t in (("step", step), ("execute", execute), ("forward", forward),
                                                ("logits", logits))}  # [0] is the prefill
     med = {name: 1000 * statistics.median(times) for name, times in timed.items()}
     num_steps = len(timed["forward"])
+    # proposers draft once per step (the prefill's step included): their summed time per step
+    med["drafting"] = 1000 * sum(sum(t.times) for t in drafting) / max(num_steps + 1, 1)
+    output_tokens = sum(len(r.token_ids) for r in results) - args.batch  # past the prefill's first tokens
+    tokens_per_step = output_tokens / max(num_steps, 1) / args.batch
     before = len(forward.times)
     kinds = op_split(llm, prompts, params)
     profiled_steps = len(forward.times) - before
     forward_ops = {k: v / profiled_steps for k, v in kinds.items()}  # ms per step, profiled (slower) run
     total_ops = sum(forward_ops.values())
 
+    speculation = "" if args.speculator == "none" else (
+        f", speculator {args.speculator} ({'fixed' if args.fixed else 'adaptive'}), "
+        f"{tokens_per_step:.2f} tokens per step per request")
     print(f"\n{args.model} {args.dtype} on {engine.device}, batch {args.batch}, {args.max_tokens} tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps} decode steps")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps} decode steps"
+          + speculation)
     print("| part of a decode step | ms | share |")
     print("|---|---|---|")
-    parts = [("engine (schedule, propose, sample, commit, detokenize)", med["step"] - med["execute"]),
+    parts = [("engine (schedule, sample, commit, detokenize)", med["step"] - med["execute"] - med["drafting"]),
+             ("drafting (the proposers' propose, mean)", med["drafting"]),
              ("runner input preparation (ids, slots, masks)", med["execute"] - med["forward"] - med["logits"]),
              ("model forward", med["forward"]),
              ("LM head (logits)", med["logits"])]
+    if args.speculator == "none":
+        del parts[1]
     for name, ms in parts:
         print(f"| {name} | {ms:.2f} | {ms / med['step']:.0%} |")
-    print(f"| whole step ({1000 / med['step'] * args.batch:.1f} tok/s) | {med['step']:.2f} | 100% |")
+    rate = 1000 / med["step"] * args.batch * (tokens_per_step if args.speculator != "none" else 1)
+    print(f"| whole step ({rate:.1f} tok/s) | {med['step']:.2f} | 100% |")
     print("\nprofiled run, operators' self CPU time per step (profiler overhead included):")
     print("| operator kind | ms | share |")
     print("|---|---|---|")
