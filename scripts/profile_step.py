@@ -75,13 +75,15 @@ def main(argv=None) -> None:
     p.add_argument("--speculator", default="none", help="e.g. eagle, lookahead, eagle+lookahead (default: none)")
     p.add_argument("--eagle-head", default=None, help="speculator eagle: the head's directory")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft nodes (default: the speculator's)")
+    p.add_argument("--speculative-tree-width", type=int, default=None, help="most children per node (default: the "
+                                                                            "speculator's)")
     p.add_argument("--fixed", action="store_true", help="adaptive speculation off: every step drafts the whole tree")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch, 1), seed=0,
               speculator=args.speculator, eagle_head=args.eagle_head, adaptive_speculation=not args.fixed,
-              num_speculative_tokens=args.num_speculative_tokens)
+              num_speculative_tokens=args.num_speculative_tokens, speculative_tree_width=args.speculative_tree_width)
     engine, runner = llm.engine, llm.engine.runner
     prompts = [PROMPT] * args.batch
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
