@@ -14,7 +14,12 @@ Rows (systems), each at every --concurrency (requests given at once; 1 = single 
 With --enforce-eager-rows, the plain row is also run without CUDA graphs.
 
 Greedy, every request generating exactly --max-tokens tokens (ignore_eos), so tok/s counts the
-same work in every row. For random-weight models (scripts/make_random_model.py) acceptance is
+same work in every row. With --requests-per-slot K > 1 a round at batch N gives N x K requests,
+at most N running (a finished request's slot is refilled, as in serving), and tok/s is the
+steady state: output tokens over time until the queue empties, the drain excluded. Speculation
+finishes requests unevenly, so a round of exactly N requests ends with steps at a smaller batch
+that a server would have filled: on the CPU at batch 4 an EAGLE round spent a fifth of its
+time there. For random-weight models (scripts/make_random_model.py) acceptance is
 ~0 and adaptive speculation would switch drafting off, so --fixed-speculation K always drafts K
 tokens: those rows then time the mechanism (draft ms, verify ms), not a speed-up.
 
@@ -88,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(s.key for s in SYSTEMS if s.key != "plain-eager"),
                    help="comma-separated subset of: " + ", ".join(s.key for s in SYSTEMS))
     p.add_argument("--draft-cpu-cores", default=None, help="cores for the CPU draft (default: the engine's)")
+    p.add_argument("--requests-per-slot", type=int, default=1, metavar="K",
+                   help="batch N: N x K requests per round, at most N running; K > 1 reports the steady "
+                        "state (default: %(default)s)")
     p.add_argument("--label", default=None, help="a name for this model pair in the table")
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
@@ -122,16 +130,36 @@ def make_llm(args, system: System) -> LLM:
                max_num_seqs=max(args.concurrency), enforce_eager=system.enforce_eager, **extra)
 
 
-def timed_round(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, float | None, float]:
-    """(output tok/s, mean acceptance length, ms per engine step) of all prompts at once."""
+def timed_round(llm: LLM, prompts: list[str], max_tokens: int, slots: int) -> tuple[float, float | None, float]:
+    """(output tok/s, mean acceptance length, ms per engine step) of the prompts, at most
+    `slots` running. With more prompts than slots, tok/s and ms per step are the steady
+    state's: the steps until the queue empties (every slot busy), not the drain after."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    steps_before = llm.engine.stats.num_steps
-    llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    engine.scheduler.max_num_seqs = slots  # the rest wait for a free slot
+    steps: list[tuple[float, int, bool]] = []  # per engine step: (seconds, output tokens, all slots busy)
+    inner = engine.step
+
+    def step():
+        busy = len(engine.scheduler.running) + len(engine.scheduler.waiting) >= slots
+        start = time.perf_counter()
+        outputs = inner()
+        steps.append((time.perf_counter() - start, sum(len(o.new_token_ids) for o in outputs), busy))
+        return outputs
+
+    engine.step = step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine.step  # back to the class's method
     summary = llm.last_summary
-    steps = llm.engine.stats.num_steps - steps_before
     acceptance = (1 + summary.num_accepted_tokens / summary.num_verify_steps if summary.num_verify_steps
                   else None)
-    return summary.output_tokens_per_s, acceptance, 1000 * summary.elapsed_s / max(steps, 1)
+    if len(prompts) > slots:
+        steps = [s for s in steps if s[2]]
+        seconds = sum(s[0] for s in steps)
+        return sum(s[1] for s in steps) / seconds, acceptance, 1000 * seconds / max(len(steps), 1)
+    return summary.output_tokens_per_s, acceptance, 1000 * summary.elapsed_s / max(len(steps), 1)
 
 
 def main(argv=None) -> None:
@@ -143,9 +171,9 @@ def main(argv=None) -> None:
         llm = make_llm(args, system)
         print(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         for n in args.concurrency:
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-            timed_round(llm, prompts, min(8, args.max_tokens))  # warm-up (and graph capture) at this size
-            rounds = [timed_round(llm, prompts, args.max_tokens) for _ in range(args.repeats)]
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n * args.requests_per_slot)]
+            timed_round(llm, prompts[:n], min(8, args.max_tokens), n)  # warm-up (and graph capture) at this size
+            rounds = [timed_round(llm, prompts, args.max_tokens, n) for _ in range(args.repeats)]
             rate = statistics.median(r[0] for r in rounds)
             acc = [r[1] for r in rounds if r[1] is not None]
             step_ms = statistics.median(r[2] for r in rounds)
@@ -156,7 +184,8 @@ def main(argv=None) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     plain = {n: rate for s, n, rate, _, _ in rows if s.key == "plain"}
-    print(f"\n{label} (draft {args.draft_model or '-'}), {args.dtype}, {args.max_tokens} tokens per request, "
+    steady = f", {args.requests_per_slot} requests per slot (steady state)" if args.requests_per_slot > 1 else ""
+    print(f"\n{label} (draft {args.draft_model or '-'}), {args.dtype}, {args.max_tokens} tokens per request{steady}, "
           f"torch {torch.__version__}, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}"
           f"{', fixed speculation ' + str(args.fixed_speculation) if args.fixed_speculation is not None else ''}")

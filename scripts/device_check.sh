@@ -93,7 +93,8 @@ run() {
             --label "SmolLM2-135M (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
         if [ -f "$STAGE/eagle3-head/model.safetensors" ]; then
             timeout 120 $PY scripts/bench_gpu.py --model smollm2-135m --eagle-head "$STAGE/eagle3-head" \
-                --max-tokens 64 --concurrency 1,8 --systems plain,eagle-host,eagle-target,eagle-target-wide \
+                --max-tokens 64 --concurrency 1,8 --requests-per-slot 4 \
+                --systems plain,eagle-host,eagle-target,eagle-target-wide \
                 --label "SmolLM2-135M, EAGLE-3 head" 2>"$out/bench_eagle.log" | tee -a "$out/bench.md"
         fi
     fi
