@@ -41,6 +41,8 @@ import torch  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
 
+from bench_heads import PAPER_TREE, TreeSize  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain how a hash table works.",
@@ -61,7 +63,7 @@ class System:
     draft_device: str = "auto"
     draft_overlap: str = "auto"
     enforce_eager: bool = False
-    tree: tuple[int, int, int] | None = None  # EAGLE: (depth, top-k, nodes); None: the engine's defaults
+    tree: TreeSize | None = None  # EAGLE: depth, top-k and nodes; None: the engine's defaults
 
 
 SYSTEMS = [
@@ -73,8 +75,8 @@ SYSTEMS = [
     System("draft-gpu", "draft on GPU", "draft", "cuda"),
     System("eagle-host", "EAGLE head on the host CPU", "eagle", "cpu"),
     System("eagle-target", "EAGLE head on the target's device", "eagle", "target"),
-    System("eagle-target-wide", "EAGLE head on the target's device, EAGLE-2's tree (6 deep, top-10, 60 nodes)",
-           "eagle", "target", tree=(6, 10, 60)),
+    System("eagle-target-wide", f"EAGLE head on the target's device, EAGLE-2's tree ({PAPER_TREE})",
+           "eagle", "target", tree=PAPER_TREE),
 ]
 
 
@@ -122,8 +124,8 @@ def make_llm(args, system: System) -> LLM:
         device = args.device if system.draft_device == "target" else system.draft_device
         extra = dict(eagle_head=args.eagle_head, draft_device=device)
         if system.tree is not None:
-            depth, width, nodes = system.tree
-            extra.update(eagle_depth=depth, speculative_tree_width=width, num_speculative_tokens=nodes)
+            extra.update(eagle_depth=system.tree.depth, speculative_tree_width=system.tree.width,
+                         num_speculative_tokens=system.tree.nodes)
     if args.fixed_speculation is not None:
         extra.update(num_speculative_tokens=args.fixed_speculation, adaptive_speculation=False)
     return LLM(model=args.model, device=args.device, dtype=args.dtype, speculator=system.speculator, seed=0,

@@ -35,7 +35,7 @@ prepare() {
     cut=$(( (size + 1) / 2 ))
     if [ -f "$head_dir/model.safetensors" ]; then
         $PY - "$head_dir" "$CARRY/part1/eagle3-head" <<'PYEOF'
-import json, shutil, sys
+import shutil, sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 source, out = Path(sys.argv[1]), Path(sys.argv[2])
