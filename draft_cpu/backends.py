@@ -11,6 +11,8 @@ Both run the same DecoderModel (runtime.models.decoder); a backend only swaps mo
     timed once at load against the float layer (`int8_row_limit`, with cold caches, as in
     a decode step), and calls with more rows than int8 wins at run through the float
     layer, which is then kept: int8 on this path buys speed for small batches, not memory.
+    With `int4` (or `auto` on a quantized file) the weights come quantized from the load
+    (runtime.models.loader): Int4Linear, group-wise int4 through PyTorch's own int4 kernel.
   - `ipex` (intel-extension-for-pytorch): `ipex.optimize` prepacks the linear weights
     into oneDNN's blocked layout, RMSNorm runs IPEX's fused kernel, and `int8` uses IPEX's
     weight-only quantized linear (bf16 compute on AMX).
@@ -32,11 +34,13 @@ from torch import nn
 from runtime.config import amx_available
 from runtime.models.decoder import RMSNorm
 from runtime.models.packed_linear import PackedLinear, can_prepack, linear_children, prepack_linears
+from runtime.models.quant_linear import Int4Linear, Int8Linear, linear_kernels
+from runtime.models.quantized_weight import quantize_int4, quantize_int8
 
 log = logging.getLogger("draft_cpu.backends")
 
 BACKENDS = ("auto", "ipex", "torch")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def import_ipex():
@@ -64,34 +68,13 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-class Int8Linear(nn.Module):
-    """y = x W^T + b with W stored as int8 [N, K] and one scale per output row (weight-only:
-    activations stay in the model dtype). With `max_int8_rows` set, inputs of more rows run
-    through the float layer instead (kept for that: `float_layer`, prepacked where it can be)."""
-
-    def __init__(self, linear: nn.Linear, max_int8_rows: int | None = None):
-        super().__init__()
-        weight = linear.weight.detach().float()  # [N, K]
-        scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [N]
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.max_int8_rows = max_int8_rows
-        self.float_layer = None if max_int8_rows is None else float_layer(linear)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # [M, K]
-        if self.float_layer is not None and x2.shape[0] > self.max_int8_rows:
-            return self.float_layer(x)
-        if x2.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
-        else:
-            y = nn.functional.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+def int8_linear(linear: nn.Linear, max_int8_rows: int | None = None) -> Int8Linear:
+    """`linear` as per-row int8 (quant_linear.Int8Linear); with max_int8_rows set, inputs of
+    more rows run through the float layer that would run it without int8 (float_layer)."""
+    weight = linear.weight.detach()
+    return Int8Linear(quantize_int8(weight, f"{str(weight.dtype)[6:]} quantized"),
+                      None if linear.bias is None else linear.bias.detach().clone(), weight.dtype, weight.device,
+                      None if max_int8_rows is None else float_layer(linear), max_int8_rows)
 
 
 def float_layer(linear: nn.Linear) -> nn.Module:
@@ -143,7 +126,7 @@ def int8_row_limit(linear: nn.Linear, timer: Callable[[Callable[[], object]], fl
     """The most rows (of ROW_LADDER) up to which Int8Linear beats the float layer that would
     run `linear` (float_layer: prepacked where it can be), counting up until int8 first
     loses; None when it wins at every count (no float copy needed)."""
-    int8, float_path = Int8Linear(linear), float_layer(linear)
+    int8, float_path = int8_linear(linear), float_layer(linear)
     weight = linear.weight
     limit = 0
     for rows in ROW_LADDER:
@@ -163,7 +146,7 @@ def quantize_int8_torch(model: nn.Module, timer=cold_median_ms) -> dict[tuple[in
         shape = (linear.in_features, linear.out_features)
         if shape not in limits:
             limits[shape] = int8_row_limit(linear, timer) if linear.weight.device.type == "cpu" else None
-        setattr(parent, name, Int8Linear(linear, limits[shape]))
+        setattr(parent, name, int8_linear(linear, limits[shape]))
     return limits
 
 
@@ -214,14 +197,38 @@ class IpexRMSNorm(nn.Module):
         return self._rms_norm(x, self.weight, self.eps)
 
 
+def load_quantization(quantization: str) -> str:
+    """What runtime.models.loader.load_model is asked for when the draft runs `quantization`:
+    int8 is applied by the backend (prepare_model) to a float model; auto, int4 and none at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return "none" if quantization == "int8" else quantization
+
+
+def quantize_int4_layers(model: nn.Module) -> int:
+    """Swap every float linear layer left in model (nn.Linear, or PackedLinear keeping its
+    weight) for an Int4Linear (group-wise int4 made here); returns how many."""
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, nn.Linear) or (isinstance(child, PackedLinear) and child.weight is not None)]
+    for parent, name, child in layers:
+        weight = child.weight.detach()
+        setattr(parent, name, Int4Linear(quantize_int4(weight, f"{str(weight.dtype)[6:]} quantized"),
+                                         None if child.bias is None else child.bias.detach(), weight.dtype,
+                                         weight.device))
+    return len(layers)
+
+
 def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
     """Apply `backend` ("ipex" | "torch", resolved) and `quantization` in place to model (a
     DecoderModel, or a speculation head: any module with a `dtype`; only its own submodules
-    change); returns a one-line description for the start-up log."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    change); returns a one-line description for the start-up log. Layers the load already
+    quantized (load_quantization) are left as they are; with int4, float layers still left
+    (a speculation head's) are quantized here."""
+    load_quantization(quantization)
     device = next(model.parameters()).device
     parts = [f"backend {backend}", str(model.dtype).replace("torch.", "")]
+    if quantization == "int4":
+        quantize_int4_layers(model)
     if backend == "ipex":
         ipex = import_ipex()
         for parent in list(model.modules()):
@@ -240,6 +247,8 @@ def prepare_model(model: nn.Module, backend: str, quantization: str) -> str:
         parts.append(f"int8 weight-only (torch, {describe_row_limits(quantize_int8_torch(model))})")
     elif packed := prepack_linears(model):
         parts.append(f"{packed} linear layers prepacked for oneDNN")
+    if quantization in ("auto", "int4"):
+        parts.append(f"linear layers: {linear_kernels(model)}")
     if device.type == "cpu":
         parts.append(f"AMX {'yes' if amx_available() else 'no'}")
     return ", ".join(parts)

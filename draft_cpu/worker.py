@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_cpu.backends import prepare_model, resolve_backend
+from draft_cpu.backends import load_quantization, prepare_model, resolve_backend
 from draft_cpu.placement import available_cores, format_core_list, pin_current_thread, place
 from runtime.block_manager import BlockManager
 from runtime.models.loader import load_model
@@ -51,7 +51,7 @@ class DraftWorkerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     dtype: str = "float32"  # float32 | bfloat16 | float16
     backend: str = "auto"  # auto | ipex | torch (CPU)
-    quantization: str = "none"  # none | int8
+    quantization: str = "auto"  # auto | none | int8 | int4 (draft_cpu.backends.load_quantization)
     cpu_cores: list[int] | None = None  # pin the worker here; None: no pinning
     num_kv_tokens: int = 65536  # KV cache capacity in tokens
     block_size: int = 16
@@ -87,7 +87,8 @@ class DraftWorker:
             all_cores = available_cores()
             pin_current_thread(cfg.cpu_cores)
             self.target_cores = place(cfg.cpu_cores, self._thread_id, all_cores)
-        self.model, self.tokenizer, self.model_config = load_model(cfg.model, cfg.dtype, self.device)
+        self.model, self.tokenizer, self.model_config = load_model(cfg.model, cfg.dtype, self.device,
+                                                                   load_quantization(cfg.quantization))
         description = prepare_model(self.model, self.backend, cfg.quantization) if self.device.type == "cpu" \
             else f"{cfg.dtype} on {self.device}"
         num_blocks = max(1, -(-cfg.num_kv_tokens // cfg.block_size))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.models.loader import DEFAULT_MODEL
+from runtime.models.loader import DEFAULT_MODEL, QUANTIZATIONS
 from runtime.sampling_params import SPECULATORS, check_speculator, speculator_parts
 
 # Draft nodes per step when --num-speculative-tokens is not given, and tree width when
@@ -54,6 +54,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton: auto is Triton on CUDA when it can run there, else torch
     enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (they need CUDA and the Triton backend)
     cpu_weight_prepack: bool = True  # a bf16 target on the CPU: linear weights prepacked for oneDNN once
+    quantization: str = "auto"  # auto | none | int8 | int4: the target's linear weights (runtime.models.loader)
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
@@ -67,7 +68,7 @@ class EngineConfig:
     draft_device: str = "auto"  # auto | cpu | cuda: auto is the CPU unless the target is on a GPU and < 4 cores
     draft_dtype: str = "auto"  # auto: the target's on the same device, else bfloat16 on CUDA/bf16 CPUs, float32
     draft_backend: str = "auto"  # auto | ipex | torch (CPU): auto takes IPEX when it imports
-    draft_quantization: str = "none"  # none | int8 (weight-only)
+    draft_quantization: str = "auto"  # auto | none | int8 | int4 (weight-only; draft_cpu.backends)
     draft_cpu_cores: str | None = None  # e.g. "0-15"; None: all but one core with a GPU target, unpinned on CPU
     draft_min_path_prob: float = 0.2  # stop a draft chain when its draft path probability falls below this
     draft_overlap: str = "auto"  # auto | on | off: draft ahead while the target verifies (auto: when on other cores)
@@ -118,8 +119,11 @@ class EngineConfig:
             raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.draft_backend not in ("auto", "ipex", "torch"):
             raise ValueError(f"draft_backend must be auto, ipex or torch, got {self.draft_backend!r}")
-        if self.draft_quantization not in ("none", "int8"):
-            raise ValueError(f"draft_quantization must be none or int8, got {self.draft_quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.draft_quantization!r}")
         if self.draft_overlap not in ("auto", "on", "off"):
             raise ValueError(f"draft_overlap must be auto, on or off, got {self.draft_overlap!r}")
         if not 0.0 <= self.draft_min_path_prob < 1.0:
@@ -203,6 +207,10 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
                              "them once into oneDNN's blocked layout (1.3x faster decode steps measured)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
+                             "(Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float; an HF checkpoint as "
+                             "stored), none dequantizes to --dtype, int8/int4 quantize every linear layer")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", type=_speculator_arg, metavar="{" + ",".join(SPECULATORS) + "}[+...]",
                    help=f"proposer of draft tokens (default: {d['speculator']}; draft needs --draft-model, medusa "
@@ -232,8 +240,9 @@ def add_engine_args(parser) -> None:
                         "GPUs and CPUs with bf16 math (AMX, AVX-512 BF16), float32 otherwise)")
     g.add_argument("--draft-backend", choices=("auto", "ipex", "torch"),
                    help="CPU draft backend (default: auto = ipex when intel-extension-for-pytorch imports)")
-    g.add_argument("--draft-quantization", choices=("none", "int8"),
-                   help="weight-only quantization of the draft model (default: none)")
+    g.add_argument("--draft-quantization", choices=QUANTIZATIONS,
+                   help="weight-only quantization of the draft model, as --quantization (default: auto); int8 "
+                        "also quantizes a float draft (or heads), int4 quantizes whatever is left float")
     g.add_argument("--draft-cpu-cores",
                    help="pin the CPU draft worker to these cores, e.g. 0-15 or 0-3,8-11; the rest of the "
                         "process moves off them (default: all but one core with a GPU target; unpinned when "
@@ -262,7 +271,7 @@ def add_engine_args(parser) -> None:
 
 
 # EngineConfig fields set by add_engine_args' flags
-ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "speculator",
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "speculator",
                "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
                "lookahead_global_nodes", "adaptive_speculation", "draft_model", "draft_device", "draft_dtype",
                "draft_backend", "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap",

@@ -28,6 +28,7 @@ from runtime.detokenizer import Detokenizer, DetokenizerState, find_stop
 from runtime.logprobs import TokenLogprobs, token_logprobs
 from runtime.models.loader import load_model
 from runtime.models.packed_linear import prepack_linears
+from runtime.models.quant_linear import linear_kernels
 from runtime.rejection_sampler import RejectionSampler, Verdict
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
@@ -131,8 +132,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
-        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, self.device)
-        packed = prepack_linears(self.model) if config.cpu_weight_prepack else 0
+        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, self.device,
+                                                                   config.quantization)
+        if config.cpu_weight_prepack:
+            prepack_linears(self.model)
         mc = self.model_config
         per_block = bytes_per_block(mc, config.block_size, self.model.dtype)
         pool_bytes = parse_memory(config.kv_cache_memory, self.device, config.kv_cache_default_fraction(self.device))
@@ -144,9 +147,9 @@ class LLMEngine:
             log.warning("sliding window of %d tokens: max_model_len capped there (windowed attention is not "
                         "implemented)", mc.max_context_len)
         self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len, capacity)
-        log.info("model %s (%s, %d layers) on %s in %s%s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); "
-                 "max_model_len %d", config.model, mc.architecture, mc.num_layers, self.device, self.dtype,
-                 f" ({packed} linear layers prepacked for oneDNN)" if packed else "",
+        log.info("model %s (%s, %d layers) on %s in %s; linear layers: %s; KV cache: %d blocks x %d tokens = %d "
+                 "tokens (%.1f MiB); max_model_len %d", config.model, mc.architecture, mc.num_layers, self.device,
+                 self.dtype, linear_kernels(self.model),
                  num_blocks, config.block_size, capacity, num_blocks * per_block / 2**20, self.max_model_len)
         self.kv_capacity_tokens = capacity
         graphs = None

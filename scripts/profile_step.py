@@ -68,6 +68,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 (default: auto)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=1, help="requests at once (default: 1, single stream)")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -81,7 +82,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch, 1), seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              max_num_seqs=max(args.batch, 1), seed=0,
               speculator=args.speculator, eagle_head=args.eagle_head, adaptive_speculation=not args.fixed,
               num_speculative_tokens=args.num_speculative_tokens, speculative_tree_width=args.speculative_tree_width)
     engine, runner = llm.engine, llm.engine.runner

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.models.packed_linear import PackedLinear, can_prepack
+from runtime.models.quant_linear import QuantizedLinear, float_linear
 from runtime.sampling_params import SamplingParams
 from speculators.tree import DraftTree
 
@@ -54,9 +55,13 @@ class TargetInfo:
 def frozen_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """One of the target's weight-only modules (its embedding, its LM head) for heads that
     run on `device` in `dtype`: the module itself when it lives there, a frozen copy otherwise
-    (of a prepacked LM head: made from its weight). A copied LM head is prepacked where it
+    (of a prepacked or quantized LM head: made from its weight). A copied LM head is prepacked where it
     can be (bf16 on the CPU: heads on the host of a GPU target), keeping its weight for the
     heads that read it."""
+    if isinstance(module, QuantizedLinear):  # a quantized LM head: itself, or a float copy elsewhere
+        if module.packed_device() == device:
+            return module
+        module = float_linear(module.dequantize(), None if module.bias is None else module.bias.detach(), False)
     if isinstance(module, PackedLinear) and (module.weight.device != device or module.weight.dtype != dtype):
         module = module.unpacked()
     if module.weight.device == device and module.weight.dtype == dtype:

