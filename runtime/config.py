@@ -55,6 +55,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (they need CUDA and the Triton backend)
     cpu_weight_prepack: bool = True  # a bf16 target on the CPU: linear weights prepacked for oneDNN once
     quantization: str = "auto"  # auto | none | int8 | int4: the target's linear weights (runtime.models.loader)
+    compile_decode: bool = False  # a CPU target's plain decode steps as one torch.compile'd graph (compiled_decode)
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
@@ -207,6 +208,10 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
                              "them once into oneDNN's blocked layout (1.3x faster decode steps measured)")
+    parser.add_argument("--compile-decode", action="store_true", default=None,
+                        help="a CPU target: run plain decode steps as one torch.compile'd graph (decoder, paged "
+                             "attention, LM head); the first steps of one and of several sequences compile "
+                             "(about a minute each on 2 cores)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
                              "(Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float; an HF checkpoint as "
@@ -271,8 +276,8 @@ def add_engine_args(parser) -> None:
 
 
 # EngineConfig fields set by add_engine_args' flags
-ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "speculator",
-               "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "compile_decode",
+               "speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
                "lookahead_global_nodes", "adaptive_speculation", "draft_model", "draft_device", "draft_dtype",
                "draft_backend", "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap",
                "medusa_heads", "medusa_tree", "eagle_head", "eagle_depth")

@@ -25,6 +25,7 @@ from runtime.config import ATTENTION_BACKENDS
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
+from target_gpu.compiled_decode import CompiledDecodeStep
 from target_gpu.cuda_graphs import CudaGraphRunner
 from target_gpu.kv_cache import KVCache
 
@@ -60,10 +61,12 @@ def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device):
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, attention_backend: str = "torch", graphs: GraphLimits | None = None):
+                 device: torch.device, attention_backend: str = "torch", graphs: GraphLimits | None = None,
+                 compile_decode: bool = False):
         """num_blocks: the blocks the block manager hands out; the cache holds one more, the
         scratch block that padded tokens of a CUDA graph write into. graphs: capture CUDA
-        graphs for decode/verify steps within these limits (CUDA and the Triton backend only)."""
+        graphs for decode/verify steps within these limits (CUDA and the Triton backend only).
+        compile_decode: plain decode steps run as one compiled graph (compiled_decode)."""
         self.model = model
         self.config = config
         self.device = device
@@ -73,9 +76,13 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] = ()
         self.graph_limits = graphs if graphs is not None and self.attention.needs_kernel_metadata else None
         self.graphs = None
+        self.compile_decode = compile_decode
+        self.compiled_decode: CompiledDecodeStep | None = None
         self._make_graphs()
 
     def _make_graphs(self) -> None:
+        if self.compile_decode:
+            self.compiled_decode = CompiledDecodeStep(self.model, self.kv_cache, self.feature_layers)
         limits = self.graph_limits
         if limits is not None:
             self.graphs = None  # the old graphs' memory goes back before the new ones are captured
@@ -130,6 +137,10 @@ class ModelRunner:
             attn_inputs.append(SeqAttentionInput(first_row, total, start + total, table, mask))
             if needs_logits[i]:
                 logits_rows.extend(range(first_row + n - 1, first_row + total))
+        if self.compiled_decode is not None and return_hidden != "all" and len(logits_rows) == len(seqs) \
+                and len(input_ids) == len(seqs):  # one new token a sequence, no tree: a plain decode step
+            logits, hidden = self.compiled_decode(seqs, self.device, bs)
+            return (logits, hidden) if return_hidden else logits
         if self.graphs is not None and len(logits_rows) == len(input_ids) \
                 and self.graphs.can_run(attn_inputs, len(input_ids)):
             # a pure decode/verify step: every row wants logits, in order

@@ -95,13 +95,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attention: AttentionFn):
+        out = attention(self.layer_idx, *self.project(x, cos, sin))  # [T, Hq, D]
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D] and k [T, Hkv, D] (rotated), v [T, Hkv, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)  # [T, Hq+Hkv, D], one call
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, Hkv, D]
-        out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -125,7 +129,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attention: AttentionFn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        q, k, v = self.attention_inputs(x, cos, sin)
+        return self.attention_output_and_mlp(x, attention(self.self_attn.layer_idx, q, k, v))
+
+    # The layer's dense parts, between which attention over the KV cache runs: the units that
+    # compile_dense_parts compiles (their inputs' shapes depend only on the step's token count).
+    def attention_inputs(self, x, cos, sin):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_output_and_mlp(self, x, attention_out):
+        x = x + self.self_attn.o_proj(attention_out.reshape(x.shape[0], self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

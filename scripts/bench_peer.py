@@ -1,0 +1,391 @@
+"""Decode speed of this engine against llama.cpp on the same GGUF files, measured in one run.
+
+Both run on the CPU with the same thread count, greedy, every request generating exactly
+--max-tokens tokens (llama.cpp: its benchmark tools never stop early, or --ignore-eos;
+ours: ignore_eos). Rounds interleave the two (llama.cpp, ours, llama.cpp, ours ...) so that
+drifting machine load hits both alike; the table shows medians over --rounds and the ratio
+ours / llama.cpp. Rows, per --model and per --quantization mode of ours:
+
+  - decode, batch 1: llama.cpp `llama-bench -m FILE -p 0 -n N -d P -t T -r 1 -o json`
+    (tg rate: N single-token decode steps after a P-token context, P = our prompt's length);
+    ours: one prompt, tok/s = (tokens - 1) / (finished - first token) = 1 / TPOT.
+  - decode, batch 8: llama.cpp `llama-batched-bench -m FILE -c C -b 2048 -ub 512 -npp P
+    -ntg N -npl 8 -t T --output-format jsonl` (S_TG: 8 x N tokens over N batched decode
+    steps, P = our prompts' mean length, C = --batched-ctx); ours: 8 prompts in one
+    generate, tok/s = sum(tokens - 1) / (last finish - first first-token).
+  - with --speculative --target T.gguf --draft D.gguf: draft-model speculation, one prompt,
+    llama.cpp `llama-speculative-simple -m T -md D -p PROMPT -n N -t T -td T --spec-type
+    draft-simple --temp 0 --ignore-eos -c 4096` (its "decoded ... t/s"; without --spec-type
+    this build refuses a plain draft model) against ours with speculator="draft"
+    (1 / TPOT), each with its own default draft settings.
+
+The prompts are text for ours (and for llama-speculative-simple); llama-bench and
+llama-batched-bench decode random tokens after a context of the same length. Timings exclude
+model loading and prefill. Ours is warmed up once per row; the llama.cpp tools warm up
+themselves. The table and the machine (git commit, CPU, cores, torch) go to stdout and to
+results/bench_peer-<date>.md.
+
+    .venv/bin/python scripts/bench_peer.py --rounds 3
+    .venv/bin/python scripts/bench_peer.py --quantization auto,none,auto+compile --max-tokens 128
+    .venv/bin/python scripts/bench_peer.py --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
+        --speculative --target /models/qwen2.5-1.5b-q8_0.gguf --draft /models/qwen2.5-0.5b-q8_0.gguf
+
+scripts/build_llama_cpp.sh builds the llama.cpp tools.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from runtime import LLM, SamplingParams  # noqa: E402
+from runtime.models.loader import QUANTIZATIONS, resolve_model  # noqa: E402
+from runtime.models.quant_linear import linear_kernels  # noqa: E402
+
+DEFAULT_BIN = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/heterospec/llama.cpp")) / "build/bin"
+BATCH = 8
+PROMPTS = [  # BATCH prompts of 7-12 tokens (SmolLM2's tokenizer)
+    "Explain how a hash table works, step by step.",
+    "Write a short story about a lighthouse keeper.",
+    "The history of the printing press begins",
+    "What is the difference between a virus and a bacterium?",
+    "The three most important ideas in thermodynamics are",
+    "List five tips for learning a new language:",
+    "Once upon a time in a small village by the sea,",
+    "Describe the water cycle in simple terms.",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", default=None,
+                   help="alias or .gguf file; repeatable (default: smollm2-135m)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="threads for both: llama.cpp -t, torch.set_num_threads (default: all cores, %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians shown (default: %(default)s)")
+    p.add_argument("--quantization", default="auto",
+                   help="ours: comma list of " + "|".join(QUANTIZATIONS) + ", one row each, a '+compile' suffix "
+                        "adding --compile-decode (e.g. auto+compile); auto (the default) is always a row "
+                        "(default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="ours: dtype (default: auto, EngineConfig's choice)")
+    p.add_argument("--llama-cpp-bin", type=Path, default=DEFAULT_BIN, help="llama.cpp binaries (default: %(default)s)")
+    p.add_argument("--batched-ctx", type=int, default=4096,
+                   help="llama-batched-bench -c (default: %(default)s, raised to what the row needs)")
+    p.add_argument("--batched-extra", default="",
+                   help="extra llama-batched-bench flags, e.g. '-kvu' (default: none)")
+    p.add_argument("--skip-batch", action="store_true", help="only the batch-1 rows")
+    p.add_argument("--speculative", action="store_true", help="add the draft-model speculation row (--target, --draft)")
+    p.add_argument("--target", help="speculation: target .gguf (or alias)")
+    p.add_argument("--draft", help="speculation: draft .gguf (or alias), the target's vocabulary")
+    p.add_argument("--output", type=Path, default=None,
+                   help="markdown report (default: results/bench_peer-<date>.md)")
+    args = p.parse_args(argv)
+    args.model = args.model or ["smollm2-135m"]
+    quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    bad = [q for q in quants if q.removesuffix("+compile") not in QUANTIZATIONS]
+    if bad:
+        p.error(f"--quantization: {', '.join(bad)} not in {', '.join(QUANTIZATIONS)}")
+    args.quantization = ["auto"] + [q for q in dict.fromkeys(quants) if q != "auto"]
+    if args.max_tokens < 2 or args.rounds < 1 or args.threads < 1:
+        p.error("--max-tokens must be >= 2, --rounds >= 1 and --threads >= 1")
+    if args.speculative and not (args.target and args.draft):
+        p.error("--speculative needs --target and --draft")
+    if args.output is None:
+        args.output = ROOT / "results" / f"bench_peer-{datetime.date.today().isoformat()}.md"
+    return args
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+def gguf_path(spec: str) -> Path:
+    source = resolve_model(spec)
+    if source.kind != "gguf":
+        raise SystemExit(f"{spec}: llama.cpp needs a .gguf file, this resolves to an {source.kind} model")
+    return source.path
+
+
+def run_tool(cmd: list[str]) -> str:
+    """stdout + stderr of a llama.cpp tool; raises with the tail of its output on failure."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return proc.stdout + "\n" + proc.stderr
+
+
+def llama_bench(bin_dir: Path, model: Path, n: int, depth: int, threads: int) -> tuple[float, list[str]]:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(n), "-d", str(depth),
+           "-t", str(threads), "-r", "1", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    return float(json.loads(proc.stdout)[0]["avg_ts"]), cmd
+
+
+def llama_batched_bench(bin_dir: Path, model: Path, n: int, prompt_len: int, threads: int, ctx: int,
+                        extra: list[str]) -> tuple[float, list[str]]:
+    ctx = max(ctx, BATCH * (prompt_len + n))
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(prompt_len), "-ntg", str(n), "-npl", str(BATCH), "-t", str(threads),
+           "--output-format", "jsonl", *extra]
+    for line in run_tool(cmd).splitlines():
+        if line.startswith("{") and '"speed_tg"' in line:
+            return float(json.loads(line)["speed_tg"]), cmd
+    raise RuntimeError(f"{shlex.join(cmd)}: no result line")
+
+
+def llama_speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, n: int,
+                      threads: int) -> tuple[float, list[str], str]:
+    cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", prompt,
+           "-n", str(n), "-t", str(threads), "-td", str(threads), "--spec-type", "draft-simple", "--temp", "0",
+           "--ignore-eos", "-c", "4096"]
+    out = run_tool(cmd)
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
+    if not m:
+        raise RuntimeError(f"{shlex.join(cmd)}: no 'decoded ... t/s' line")
+    acc = re.search(r"accept\s+=\s+([\d.]+)%", out)
+    return float(m.group(3)), cmd, (f"accept {acc.group(1)}%" if acc else "")
+
+
+# ---------------------------------------------------------------- ours
+
+def weights_label(llm: LLM) -> str:
+    """e.g. '120 int4 + 1 int8' or '121 bfloat16': the linear layers' weight forms."""
+    parts = []
+    for part in re.split(r", (?=\d+ )", linear_kernels(llm.engine.model)):
+        count, kernel = part.split(" ", 2)[:2]
+        parts.append(f"{count} {kernel}")
+    return " + ".join(parts)
+
+
+def ours_single(llm: LLM, prompt_ids: list[int], n: int) -> float:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    (result,) = llm.generate([prompt_ids], params, use_tqdm=False)
+    m = result.metrics
+    assert m.num_tokens == n, (m.num_tokens, n)
+    return (m.num_tokens - 1) / (m.finished_time - m.first_token_time)
+
+
+def ours_batch(llm: LLM, prompt_ids: list[list[int]], n: int) -> float:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    results = llm.generate(prompt_ids, params, use_tqdm=False)
+    ms = [r.metrics for r in results]
+    assert all(m.num_tokens == n for m in ms)
+    return sum(m.num_tokens - 1 for m in ms) / (max(m.finished_time for m in ms) - min(m.first_token_time for m in ms))
+
+
+# ---------------------------------------------------------------- table
+
+@dataclass
+class Row:
+    label: str
+    model: str
+    quantization: str  # ours: the mode asked for -> what the linear layers hold
+    llama: list[float] = field(default_factory=list)
+    ours: list[float] = field(default_factory=list)
+    note: str = ""
+    error: str = ""
+
+
+def med(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def table(rows: list[Row]) -> str:
+    header = ("row", "model", "llama.cpp tok/s", "ours tok/s", "ours/llama.cpp", "ours: quantization")
+    lines = [header]
+    for r in rows:
+        a, b = med(r.llama), med(r.ours)
+        ratio = f"{b / a:.2f}x" if a and b else "n/a"
+        lines.append((r.label, r.model, fmt(a), fmt(b), ratio, r.quantization))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("| " + " | ".join(c.ljust(w) if i in (0, 1, 5) else c.rjust(w)
+                                     for i, (c, w) in enumerate(zip(line, widths))) + " |")
+        if k == 0:
+            out.append("|" + "|".join("-" * (w + 1) + (":" if i in (2, 3, 4) else "-")
+                                      for i, w in enumerate(widths)) + "|")
+    return "\n".join(out)
+
+
+def machine() -> dict[str, str]:
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " (working tree modified)"
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"commit": commit, "cpu": cpu, "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
+            "torch": torch.__version__}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bin_dir = args.llama_cpp_bin
+    info = machine()
+    load_start = os.getloadavg()
+    started = time.time()
+    n = args.max_tokens
+    sp = SamplingParams(max_tokens=min(8, n), temperature=0, ignore_eos=True)
+
+    # ours: one engine per model x quantization mode, all loaded before the first round
+    rows: list[Row] = []
+    jobs = []  # (row, llama callable, ours callable)
+    for spec in args.model:
+        path = gguf_path(spec)
+        engines = {}
+        for q in args.quantization:
+            t0 = time.perf_counter()
+            engines[q] = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+compile"),
+                             compile_decode=q.endswith("+compile"), max_num_seqs=BATCH, seed=0)
+            log(f"loaded {path.name} quantization={q} in {time.perf_counter() - t0:.1f} s: "
+                f"{weights_label(engines[q])}, {engines[q].engine.dtype}")
+        tok = engines["auto"].tokenizer
+        ids = [tok(p).input_ids for p in PROMPTS]
+        single_ids, single_len = ids[0], len(ids[0])
+        batch_len = round(sum(map(len, ids)) / len(ids))
+        extra = shlex.split(args.batched_extra)
+        shapes = [("decode, batch 1",
+                   lambda p=path, d=single_len: llama_bench(bin_dir, p, n, d, args.threads)[0],
+                   lambda llm, i=single_ids: ours_single(llm, i, n),
+                   lambda llm, i=single_ids: llm.generate([i], sp, use_tqdm=False))]
+        if not args.skip_batch:
+            shapes.append((f"decode, batch {BATCH}",
+                           lambda p=path, d=batch_len: llama_batched_bench(bin_dir, p, n, d, args.threads,
+                                                                           args.batched_ctx, extra)[0],
+                           lambda llm, i=ids: ours_batch(llm, i, n),
+                           lambda llm, i=ids: llm.generate(i, sp, use_tqdm=False)))
+        for label, run_llama, run_ours, warm in shapes:
+            group = []
+            for q, llm in engines.items():
+                row = Row(label, path.name, f"{q}: {weights_label(llm)}, {llm.engine.dtype}")
+                warm(llm)
+                group.append((row, llm))
+                rows.append(row)
+            jobs.append((label, run_llama, run_ours, group))
+
+    if args.speculative:
+        target, draft = gguf_path(args.target), gguf_path(args.draft)
+        prompt = PROMPTS[0]
+        group = []
+        for q in args.quantization:
+            llm = LLM(model=str(target), dtype=args.dtype, quantization=q, speculator="draft",
+                      draft_model=str(draft), draft_quantization=q, max_num_seqs=1, seed=0)
+            row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
+                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {q}")
+            llm.generate([prompt], sp, use_tqdm=False)
+            group.append((row, llm))
+            rows.append(row)
+        notes = []
+
+        def run_llama_spec():
+            rate, _, acc = llama_speculative(bin_dir, target, draft, prompt, n, args.threads)
+            notes.append(acc)
+            return rate
+
+        def run_ours_spec(llm):
+            (r,) = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                use_tqdm=False)
+            m = r.metrics
+            if m.mean_acceptance_length:
+                notes.append(f"ours: mean acceptance length {m.mean_acceptance_length:.2f}")
+            return (m.num_tokens - 1) / (m.finished_time - m.first_token_time)
+        jobs.append(("draft speculation, batch 1", run_llama_spec, run_ours_spec, group))
+
+    for rnd in range(args.rounds):
+        for label, run_llama, run_ours, group in jobs:
+            try:
+                rate = run_llama()
+                for row, _ in group:
+                    row.llama.append(rate)
+            except (RuntimeError, OSError, FileNotFoundError) as e:
+                for row, _ in group:
+                    row.error = str(e).splitlines()[0][:300]
+                rate = None
+            msg = f"round {rnd + 1}/{args.rounds} {label}: llama.cpp {fmt(rate)}"
+            for row, llm in group:
+                row.ours.append(run_ours(llm))
+                msg += f", ours[{row.quantization.split(':')[0]}] {row.ours[-1]:.1f}"
+            log(msg + " tok/s")
+
+    load_end = os.getloadavg()
+    text = table(rows)
+    bb = shlex.join([str(bin_dir / "llama-batched-bench"), "-c", str(args.batched_ctx), "-b", "2048", "-ub", "512",
+                     "-npl", str(BATCH), *shlex.split(args.batched_extra)])
+    details = [
+        f"{n} tokens per request, greedy, EOS ignored; {args.threads} threads each; median of {args.rounds} "
+        f"interleaved rounds (llama.cpp, ours, ...); prompts of {len(ids[0])} tokens (batch 1) and "
+        f"{min(map(len, ids))}-{max(map(len, ids))} tokens (batch {BATCH}; llama.cpp: {batch_len} random tokens)",
+        f"llama.cpp: {bin_dir} (llama-bench -p 0 -n {n} -d P -r 1; {bb} -npp P -ntg {n})",
+        "per round, tok/s: " + "; ".join(
+            f"{r.label} [{r.quantization.split(':')[0]}] llama.cpp {[round(x, 1) for x in r.llama]} "
+            f"ours {[round(x, 1) for x in r.ours]}" for r in rows),
+        f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; "
+        f"wall {time.time() - started:.0f} s",
+    ]
+    if args.speculative and notes:
+        details.append("speculation: " + "; ".join(dict.fromkeys(notes)))
+    details += [f"error ({r.label}, {r.model}): {r.error}" for r in rows if r.error]
+    command = shlex.join([".venv/bin/python", "scripts/bench_peer.py", *(sys.argv[1:] if argv is None else argv)])
+    print("\n" + text + "\n")
+    for d in details:
+        print(d)
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    report = [
+        f"# bench_peer: this engine against llama.cpp ({datetime.datetime.now().isoformat(timespec='seconds')})",
+        "",
+        f"- command: `{command}`",
+        f"- git commit: {info['commit']}",
+        f"- CPU: {info['cpu']}; cores: {info['cores']}",
+        f"- torch {info['torch']}",
+        "",
+        text,
+        "",
+        *[f"- {d}" for d in details],
+        "",
+    ]
+    args.output.write_text("\n".join(report))
+    log(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
