@@ -206,7 +206,7 @@ class DecoderModel(nn.Module):
                 raise UnsupportedModelError(f"unexpected weight {name!r} (mapped to {target!r})")
             dest_shape = self.get_submodule(target.rsplit(".", 1)[0]).weight.shape if isinstance(
                 tensor, QuantizedWeight) else params[target].shape
-            expected = (rows[1], dest_shape[1]) if rows is not None else tuple(dest_shape)
+            expected = (rows[1], *dest_shape[1:]) if rows is not None else tuple(dest_shape)
             if tuple(tensor.shape) != tuple(expected):
                 raise UnsupportedModelError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")

@@ -12,7 +12,8 @@ Nothing is ever downloaded: the HF hub is forced offline before transformers is 
 `quantization` says what form the linear layers' weights take (the embedding table and the
 norms stay float):
   - ``auto``: a GGUF file's precision class, per tensor (quantized_weight.gguf_precision_bits:
-    Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float); an HF directory as stored;
+    Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float); an HF directory as stored
+    (GPTQ and AWQ int4 as int4, FP8 upcast to float: runtime.models.hf_quantized);
   - ``none``: float (a GGUF file dequantized at load, as before quantized kernels existed);
   - ``int4`` / ``int8``: every linear layer, unpacked exactly where the formats map, else
     (re)quantized at load, with the error in the load log (quant_linear.linear_kernels).
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 
 from runtime.models.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from runtime.models.decoder import DecoderModel  # noqa: E402
+from runtime.models.hf_quantized import check_quantization_config, hf_quantized_weights  # noqa: E402
 from runtime.models.quantized_weight import (  # noqa: E402
     QuantizedWeight, UnsupportedQuantizationError, gguf_precision_bits, gguf_quantized, quantize_int4, quantize_int8)
 
@@ -135,8 +137,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | to
     else:
         hf_config = json.loads((source.path / "config.json").read_text())
         config = ModelConfig.from_hf_dict(hf_config)
-        check_hf_quantization(hf_config, source.path)
-        weights = quantize_linears(safetensors_weights(source.path), FORCED_BITS.get(quantization))
+        weights = hf_weights(source.path, hf_config, quantization)
     with torch.device("meta"):
         model = DecoderModel(config)
     model = model.to_empty(device=device).to(dtype)
@@ -258,23 +259,35 @@ def is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name == "lm_head.weight"
 
 
-def quantize_linears(weights: Iterator[tuple[str, torch.Tensor]], bits: int | None
-                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Float weights with every linear weight quantized to `bits` (None: left float)."""
+def convert_linears(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], bits: int | None
+                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Weights with every linear weight taken to `bits` (4 | 8; None: float); weights already
+    in that form pass as they are, others are (de)quantized."""
     for name, tensor in weights:
-        if bits is not None and is_linear_weight(name):
-            source = f"{str(tensor.dtype)[6:]} quantized"
-            yield name, quantize_int4(tensor, source) if bits == 4 else quantize_int8(tensor, source)
-        else:
+        if not is_linear_weight(name) or (isinstance(tensor, QuantizedWeight) and tensor.bits == bits):
             yield name, tensor
+        elif bits is None:
+            yield name, tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
+        else:
+            dense = tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
+            source = f"{tensor.source} requantized" if isinstance(tensor, QuantizedWeight) \
+                else f"{str(tensor.dtype)[6:]} quantized"
+            yield name, quantize_int4(dense, source) if bits == 4 else quantize_int8(dense, source)
 
 
-def check_hf_quantization(hf_config: dict, path: Path) -> None:
-    """A checkpoint with a quantization_config we cannot run: a one-line error, before loading."""
+def hf_weights(path: Path, hf_config: dict, quantization: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """An HF directory's weights; a quantization_config (GPTQ, AWQ, FP8: hf_quantized) is
+    checked here, before anything is read, with a one-line error naming what we cannot run.
+    auto keeps what the checkpoint holds (int4 for GPTQ/AWQ; FP8 upcast to float)."""
     qc = hf_config.get("quantization_config")
-    if qc is not None:
-        raise UnsupportedQuantizationError(
-            f"{path}: quantization_config with quant_method {qc.get('quant_method')!r} is not supported")
+    if qc is None:
+        return convert_linears(safetensors_weights(path), FORCED_BITS.get(quantization))
+    try:
+        check_quantization_config(qc)
+    except UnsupportedQuantizationError as e:
+        raise UnsupportedQuantizationError(f"{path}: {e}") from None
+    weights = hf_quantized_weights(safetensors_weights(path), qc)
+    return weights if quantization == "auto" else convert_linears(weights, FORCED_BITS[quantization])
 
 
 def _permuted_heads(name: str, config: ModelConfig) -> int | None:
