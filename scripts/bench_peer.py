@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.models.loader import QUANTIZATIONS, resolve_model  # noqa: E402
 from runtime.models.quant_linear import linear_kernels  # noqa: E402
+from results import machine  # noqa: E402  (scripts/results.py)
 
 DEFAULT_BIN = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/heterospec/llama.cpp")) / "build/bin"
 BATCH = 8
@@ -227,27 +228,6 @@ def table(rows: list[Row]) -> str:
             out.append("|" + "|".join("-" * (w + 1) + (":" if i in (2, 3, 4) else "-")
                                       for i, w in enumerate(widths)) + "|")
     return "\n".join(out)
-
-
-def machine() -> dict[str, str]:
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            return ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
-        commit += " (working tree modified)"
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"commit": commit, "cpu": cpu, "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
-            "torch": torch.__version__}
 
 
 def log(msg: str) -> None:

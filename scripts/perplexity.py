@@ -37,7 +37,6 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -53,6 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from runtime.models.loader import DEFAULT_MODEL, DTYPES, QUANTIZATIONS, load_model, resolve_model  # noqa: E402
 from runtime.models.quant_linear import linear_kernels  # noqa: E402
+from results import machine  # noqa: E402  (scripts/results.py)
 
 TEXT = ROOT / "scripts" / "data" / "perplexity_text.txt"
 DEFAULT_LLAMA_BIN = Path.home() / ".cache" / "heterospec" / "llama.cpp" / "build" / "bin"
@@ -162,24 +162,10 @@ def find_llama_bin(path: str | None) -> Path | None:
 # ---- report -----------------------------------------------------------------------------------
 
 def machine_lines(args_line: str, threads: int) -> list[str]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "?"
-        if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                          capture_output=True, text=True).stdout.strip():
-            commit += " (with uncommitted changes)"
-    except OSError:
-        commit = "?"
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or "?"
+    m = machine()
+    commit, cpu = m["commit"], m["cpu"]
     return [f"- command: `{args_line}`",
-            f"- commit {commit}; {cpu}, {os.cpu_count()} cores, {threads} threads; torch {torch.__version__}",
+            f"- commit {commit}; {cpu}, {m['cores']} cores, {threads} threads; torch {m['torch']}",
             f"- text: {TEXT.relative_to(ROOT)} (Alice's Adventures in Wonderland, ch. I-III)"]
 
 

@@ -33,7 +33,7 @@ def outputs(llm) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def graphs_f32():
     from runtime import LLM
-    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8)
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, quantization="none")
     assert llm.engine.runner.attention.name == "triton" and llm.engine.runner.graphs is not None
     return llm
 
@@ -68,7 +68,7 @@ def test_one_request_at_a_time_equals_hf(graphs_f32, hf_cuda_greedy):
 
 def test_graph_steps_equal_eager_steps(graphs_f32):
     from runtime import LLM
-    eager = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, enforce_eager=True)
+    eager = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, quantization="none", enforce_eager=True)
     assert eager.engine.runner.graphs is None
     assert outputs(eager) == outputs(graphs_f32)
 
@@ -76,7 +76,7 @@ def test_graph_steps_equal_eager_steps(graphs_f32):
 @pytest.mark.parametrize("speculator", ["ngram", "lookahead"])
 def test_speculation_on_graphs_equals_plain(graphs_f32, hf_cuda_greedy, speculator):
     from runtime import LLM
-    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, speculator=speculator,
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, quantization="none", speculator=speculator,
               adaptive_speculation=False)
     assert outputs(llm) == hf_cuda_greedy
     assert llm.engine.stats.num_draft_tokens > 0
@@ -110,8 +110,32 @@ def test_eagle3_head_on_graphs_equals_plain(graphs_f32, hf_cuda_greedy, tmp_path
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.02)
     path = save_head(head.cpu(), tmp_path / "eagle3")
-    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, speculator="eagle",
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory="1GiB", max_num_seqs=8, quantization="none", speculator="eagle",
               eagle_head=str(path), draft_device=draft_device, adaptive_speculation=False)
     assert llm.engine.runner.feature_layers == head.feature_layers and llm.engine.runner.graphs is not None
     assert outputs(llm) == hf_cuda_greedy
     assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_int4_layers_run_tinygemm_on_the_gpu():
+    """Int4Linear on CUDA (aten._weight_int4pack_mm, bf16) computes the weight its kernel
+    describes, (q - 8) s + z with s, z in bf16, as the CPU kernel does."""
+    from runtime.models.quant_linear import Int4Linear
+    from runtime.models.quantized_weight import quantize_int4
+    weight = quantize_int4(torch.randn(256, 576), "test")
+    cuda_layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cuda"))
+    cpu_layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
+    assert "tinygemm" in cuda_layer.kernel
+    x = torch.randn(5, 576, dtype=torch.bfloat16)
+    torch.testing.assert_close(cuda_layer(x.cuda()).float().cpu(), cpu_layer(x).float(), atol=0.05, rtol=0.02)
+
+
+def test_default_model_int4_on_the_gpu_decodes_like_the_cpu():
+    """--quantization auto in bf16 on the GPU: the int4 kernels' greedy tokens mostly agree
+    with the CPU's (both bf16, different kernels: near ties may flip)."""
+    from runtime import LLM
+    gpu = LLM(device="cuda", dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=8)
+    assert "tinygemm" in gpu.engine.model.layers[0].mlp.down_proj.kernel
+    cpu = LLM(device="cpu", dtype="bfloat16", kv_cache_memory="256MiB", max_num_seqs=8)
+    same = sum(a[:8] == b[:8] for a, b in zip(outputs(gpu), outputs(cpu)))
+    assert same >= len(PROMPTS) - 1

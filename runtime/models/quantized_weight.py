@@ -30,7 +30,7 @@ INT4_GROUP = 32  # group size of int4 weights made here (GGUF's block size)
 
 # GGUF types by the precision class they keep: int4 group-wise, int8, or float (bf16)
 GGUF_INT4_EXACT = ("Q4_0", "Q4_1", "Q4_K")
-GGUF_INT4_REQUANT = ("Q5_0", "Q5_1", "Q5_K")
+GGUF_INT4_REQUANT = ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K")
 GGUF_INT8 = ("Q8_0", "Q6_K")
 GGUF_FLOAT = ("F32", "F16", "BF16")
 
