@@ -216,7 +216,8 @@ def shared_prefix(engine, num_tokens: int) -> list[int]:
 @pytest.fixture(scope="module")
 def engine_uncached():
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False)
+    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False,
+                       quantization="none")
     yield engine
     engine.close()
 

@@ -31,7 +31,8 @@ COPY = "Repeat exactly: one two three four five six seven eight nine ten. Again:
 
 
 def make_engine(**kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="128MiB", **kwargs))
+    return LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="128MiB", quantization="none",
+                                  **kwargs))
 
 
 @pytest.fixture(scope="module")
