@@ -287,10 +287,12 @@ def main(argv=None) -> None:
         prompt = PROMPTS[0]
         group = []
         for q in args.quantization:
-            llm = LLM(model=str(target), dtype=args.dtype, quantization=q, speculator="draft",
-                      draft_model=str(draft), draft_quantization=q, max_num_seqs=1, seed=0)
+            mode = q.removesuffix("+compile")
+            llm = LLM(model=str(target), dtype=args.dtype, quantization=mode, speculator="draft",
+                      draft_model=str(draft), draft_quantization=mode, max_num_seqs=1, seed=0,
+                      compile_decode=q.endswith("+compile"))
             row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
-                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {q}")
+                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}")
             llm.generate([prompt], sp, use_tqdm=False)
             group.append((row, llm))
             rows.append(row)

@@ -95,17 +95,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attention: AttentionFn):
-        out = attention(self.layer_idx, *self.project(x, cos, sin))  # [T, Hq, D]
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
-
-    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, Hq, D] and k [T, Hkv, D] (rotated), v [T, Hkv, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)  # [T, Hq+Hkv, D], one call
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, Hkv, D]
-        return q, k, v
+        out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -129,16 +125,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attention: AttentionFn):
-        q, k, v = self.attention_inputs(x, cos, sin)
-        return self.attention_output_and_mlp(x, attention(self.self_attn.layer_idx, q, k, v))
-
-    # The layer's dense parts, between which attention over the KV cache runs: the units that
-    # compile_dense_parts compiles (their inputs' shapes depend only on the step's token count).
-    def attention_inputs(self, x, cos, sin):
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
-
-    def attention_output_and_mlp(self, x, attention_out):
-        x = x + self.self_attn.o_proj(attention_out.reshape(x.shape[0], self.self_attn.q_size))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -196,12 +183,13 @@ class DecoderModel(nn.Module):
         filled: set[str] = set()
         quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # layer path -> (row offset, part)
         float_parts: dict[str, list[tuple[int, torch.Tensor]]] = {}  # fused layers' float parts
+        fused = fused_linears(cfg)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings and not isinstance(tensor, QuantizedWeight):
                 continue
-            target, rows = _map_hf_name(name, FUSED_LINEARS, cfg)
+            target, rows = _map_hf_name(name, fused)
             if target not in params and not (target == "lm_head.weight" and isinstance(tensor, QuantizedWeight)):
                 raise UnsupportedModelError(f"unexpected weight {name!r} (mapped to {target!r})")
             dest_shape = self.get_submodule(target.rsplit(".", 1)[0]).weight.shape if isinstance(
@@ -236,15 +224,16 @@ class DecoderModel(nn.Module):
         setattr(parent, attr, make_linear(weight, bias, self.dtype, self.embed_tokens.weight.device))
 
 
-# HF name suffix -> (our layer, row offset, row count) within a fused layer, from the config
-FUSED_LINEARS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", lambda c: 0, lambda c: c.num_heads * c.head_dim),
-    "self_attn.k_proj": ("self_attn.qkv_proj", lambda c: c.num_heads * c.head_dim, lambda c: c.num_kv_heads * c.head_dim),
-    "self_attn.v_proj": ("self_attn.qkv_proj", lambda c: (c.num_heads + c.num_kv_heads) * c.head_dim,
-                         lambda c: c.num_kv_heads * c.head_dim),
-    "mlp.gate_proj": ("mlp.gate_up_proj", lambda c: 0, lambda c: c.intermediate_size),
-    "mlp.up_proj": ("mlp.gate_up_proj", lambda c: c.intermediate_size, lambda c: c.intermediate_size),
-}
+def fused_linears(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF name suffix -> (our layer, row offset, row count) within a fused layer."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+    }
 
 
 def _stack_parts(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -258,12 +247,12 @@ def _stack_parts(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight.cat_rows(parts)
 
 
-def _map_hf_name(name: str, fused: dict, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+def _map_hf_name(name: str, fused: dict) -> tuple[str, tuple[int, int] | None]:
     if name.startswith("model."):
         name = name[len("model."):]
     for hf, (ours, start, count) in fused.items():
         if f".{hf}." in f".{name}":
-            return name.replace(hf, ours), (start(cfg), count(cfg))
+            return name.replace(hf, ours), (start, count)
     return name, None
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from runtime.models.packed_linear import PackedLinear, can_prepack
-from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error
+from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
 
 
 def cuda_int4_inner_k_tiles(in_features: int) -> int:
@@ -40,11 +40,13 @@ def cuda_int4_inner_k_tiles(in_features: int) -> int:
 
 def bf16_scale_error(weight: QuantizedWeight, scales_and_zeros: torch.Tensor) -> float:
     """Relative RMS error of the weight the int4 kernels compute, (q - 8) s + z with s and z
-    in bf16 (scales_and_zeros [G, N, 2]), against the exact s q + o (float32)."""
-    sz = scales_and_zeros.float()
-    scales = sz[..., 0].t().repeat_interleave(weight.group_size, dim=1)  # [N, K]
+    in bf16 (scales_and_zeros [G, N, 2]), against the exact s q + o (float32), on sample rows."""
+    rows = sample_rows(weight.q.shape[0])
+    sz = scales_and_zeros[:, rows].float()
+    scales = sz[..., 0].t().repeat_interleave(weight.group_size, dim=1)  # [R, K]
     zeros = sz[..., 1].t().repeat_interleave(weight.group_size, dim=1)
-    return relative_rms_error((weight.q.float() - 8) * scales + zeros, weight.dequantize())
+    exact = weight.permute_rows(rows)
+    return relative_rms_error((exact.q.float() - 8) * scales + zeros, exact.dequantize())
 
 
 class QuantizedLinear(nn.Module):
