@@ -55,6 +55,8 @@ class DraftWorkerConfig:
     cpu_cores: list[int] | None = None  # pin the worker here; None: no pinning
     num_kv_tokens: int = 65536  # KV cache capacity in tokens
     block_size: int = 16
+    compile_decode: bool = False  # plain decode steps as one compiled graph (target_gpu.compiled_decode), on the
+    # CPU with the torch backend (Dynamo cannot trace IPEX's prepacked linear layers)
 
 
 class DraftWorker:
@@ -92,7 +94,11 @@ class DraftWorker:
         description = prepare_model(self.model, self.backend, cfg.quantization) if self.device.type == "cpu" \
             else f"{cfg.dtype} on {self.device}"
         num_blocks = max(1, -(-cfg.num_kv_tokens // cfg.block_size))
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size, self.device)
+        self.compiles_decode = cfg.compile_decode and self.device.type == "cpu" and self.backend == "torch"
+        if self.compiles_decode:
+            description += ", compiled decode step"
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size, self.device,
+                                  compile_decode=self.compiles_decode)
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         mc = self.model_config
         kv_mib = num_blocks * bytes_per_block(mc, cfg.block_size, self.model.dtype) / 2**20

@@ -52,10 +52,9 @@ class EngineConfig:
     kv_cache_memory: str | int | float | None = None  # bytes, "2GiB", or a fraction of free memory
     seed: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton: auto is Triton on CUDA when it can run there, else torch
-    enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (they need CUDA and the Triton backend)
+    enforce_eager: bool = False  # no CUDA graphs (GPU target), no compiled decode step (CPU target, CPU draft)
     cpu_weight_prepack: bool = True  # a bf16 target on the CPU: linear weights prepacked for oneDNN once
     quantization: str = "auto"  # auto | none | int8 | int4: the target's linear weights (runtime.models.loader)
-    compile_decode: bool = False  # a CPU target's plain decode steps as one torch.compile'd graph (compiled_decode)
     # speculation (a request may override speculator and num_speculative_tokens)
     speculator: str = "none"  # none | ngram | lookahead | draft | eagle | medusa
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
@@ -203,15 +202,13 @@ def add_engine_args(parser) -> None:
                         help="attention over the KV cache: torch (the PyTorch reference) or triton (CUDA kernels); "
                              f"default: {d['attention_backend']} = triton on CUDA when it can run there, else torch")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="do not capture CUDA graphs for decode and verify steps (they are used on CUDA with "
-                             "the triton attention backend)")
+                        help="run every step eagerly: no CUDA graphs for a GPU target's decode and verify steps "
+                             "(used with the triton attention backend), and no torch.compile'd decode step for a "
+                             "CPU target or CPU draft model (compiled at start-up: minutes the first time on a "
+                             "machine, seconds once Inductor's cache has it)")
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
                              "them once into oneDNN's blocked layout (1.3x faster decode steps measured)")
-    parser.add_argument("--compile-decode", action="store_true", default=None,
-                        help="a CPU target: run plain decode steps as one torch.compile'd graph (decoder, paged "
-                             "attention, LM head); the first steps of one and of several sequences compile "
-                             "(about a minute each on 2 cores)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
                              "(Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float; an HF checkpoint as "
@@ -276,8 +273,8 @@ def add_engine_args(parser) -> None:
 
 
 # EngineConfig fields set by add_engine_args' flags
-ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "compile_decode",
-               "speculator", "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "speculator",
+               "num_speculative_tokens", "speculative_tree_width", "prompt_lookup_min", "prompt_lookup_max",
                "lookahead_global_nodes", "adaptive_speculation", "draft_model", "draft_device", "draft_dtype",
                "draft_backend", "draft_quantization", "draft_cpu_cores", "draft_min_path_prob", "draft_overlap",
                "medusa_heads", "medusa_tree", "eagle_head", "eagle_depth")

@@ -157,7 +157,7 @@ class LLMEngine:
             graphs = GraphLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
                                   config.attention_backend, graphs,
-                                  compile_decode=config.compile_decode and self.device.type == "cpu")
+                                  compile_decode=not config.enforce_eager and self.device.type == "cpu")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)

@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a bf16 target on the CPU: leave the engine's linear weights row-major (as HF's are)")
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (default: %(default)s); "
                    "HF transformers always runs the GGUF dequantized")
-    p.add_argument("--compile-decode", action="store_true", help="the engine's --compile-decode")
+    p.add_argument("--enforce-eager", action="store_true", help="the engine's --enforce-eager")
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     if args.max_tokens < 2 or args.repeats < 1 or args.concurrency[0] < 1:
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(max_conc, 1),
               kv_cache_memory=args.kv_cache_memory, seed=0, cpu_weight_prepack=args.cpu_weight_prepack,
-              quantization=args.quantization, compile_decode=args.compile_decode)
+              quantization=args.quantization, enforce_eager=args.enforce_eager)
     t1 = time.perf_counter()
     hf = load_hf(args.model, dtype, args.device)
     t2 = time.perf_counter()

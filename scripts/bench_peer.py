@@ -26,7 +26,7 @@ themselves. The table and the machine (git commit, CPU, cores, torch) go to stdo
 results/bench_peer-<date>.md.
 
     .venv/bin/python scripts/bench_peer.py --rounds 3
-    .venv/bin/python scripts/bench_peer.py --quantization auto,none,auto+compile --max-tokens 128
+    .venv/bin/python scripts/bench_peer.py --quantization auto,auto+eager,none+eager --max-tokens 128
     .venv/bin/python scripts/bench_peer.py --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
         --speculative --target /models/qwen2.5-1.5b-q8_0.gguf --draft /models/qwen2.5-0.5b-q8_0.gguf
 
@@ -81,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians shown (default: %(default)s)")
     p.add_argument("--quantization", default="auto",
-                   help="ours: comma list of " + "|".join(QUANTIZATIONS) + ", one row each, a '+compile' suffix "
-                        "adding --compile-decode (e.g. auto+compile); auto (the default) is always a row "
+                   help="ours: comma list of " + "|".join(QUANTIZATIONS) + ", one row each, an '+eager' suffix "
+                        "adding --enforce-eager (e.g. auto+eager); auto (the default) is always a row "
                         "(default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="ours: dtype (default: auto, EngineConfig's choice)")
     p.add_argument("--llama-cpp-bin", type=Path, default=DEFAULT_BIN, help="llama.cpp binaries (default: %(default)s)")
@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.model = args.model or ["smollm2-135m"]
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
-    bad = [q for q in quants if q.removesuffix("+compile") not in QUANTIZATIONS]
+    bad = [q for q in quants if q.removesuffix("+eager") not in QUANTIZATIONS]
     if bad:
         p.error(f"--quantization: {', '.join(bad)} not in {', '.join(QUANTIZATIONS)}")
     args.quantization = ["auto"] + [q for q in dict.fromkeys(quants) if q != "auto"]
@@ -254,8 +254,8 @@ def main(argv=None) -> None:
         engines = {}
         for q in args.quantization:
             t0 = time.perf_counter()
-            engines[q] = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+compile"),
-                             compile_decode=q.endswith("+compile"), max_num_seqs=BATCH, seed=0)
+            engines[q] = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+eager"),
+                             enforce_eager=q.endswith("+eager"), max_num_seqs=BATCH, seed=0)
             log(f"loaded {path.name} quantization={q} in {time.perf_counter() - t0:.1f} s: "
                 f"{weights_label(engines[q])}, {engines[q].engine.dtype}")
         tok = engines["auto"].tokenizer
@@ -287,10 +287,10 @@ def main(argv=None) -> None:
         prompt = PROMPTS[0]
         group = []
         for q in args.quantization:
-            mode = q.removesuffix("+compile")
+            mode = q.removesuffix("+eager")
             llm = LLM(model=str(target), dtype=args.dtype, quantization=mode, speculator="draft",
                       draft_model=str(draft), draft_quantization=mode, max_num_seqs=1, seed=0,
-                      compile_decode=q.endswith("+compile"))
+                      enforce_eager=q.endswith("+eager"))
             row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
                       f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}")
             llm.generate([prompt], sp, use_tqdm=False)

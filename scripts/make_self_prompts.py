@@ -91,9 +91,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="the engine runs eagerly (no compiled decode step)")
     args = p.parse_args(argv)
     from runtime.engine import LLMEngine
-    engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
+    engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed,
+                       enforce_eager=args.enforce_eager)
     start = time.perf_counter()
     requests = sample_requests(engine, args.num_samples, args.max_tokens, args.temperature, args.top_p, args.seed)
     engine.close()

@@ -6,7 +6,9 @@ step verifies a draft, and the proposers' drafting is split out of the engine's 
 The engine's own work (scheduling, proposing, sampling, committing, detokenizing) is the
 step's wall time minus `ModelRunner.execute`; the runner's preparation (token, position,
 slot and mask tensors) is `execute` minus the model's forward and the LM head. Medians over
-the timed steps; the operator table comes from a second, profiled run.
+the timed steps; the operator table comes from a second, profiled run. The engine runs
+eagerly (enforce_eager), so that the model's operators can be told apart: the compiled decode
+step, the default on the CPU, fuses them.
 
     .venv/bin/python scripts/profile_step.py
     .venv/bin/python scripts/profile_step.py --batch 32 --max-tokens 64
@@ -83,7 +85,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              max_num_seqs=max(args.batch, 1), seed=0,
+              max_num_seqs=max(args.batch, 1), seed=0, enforce_eager=True,
               speculator=args.speculator, eagle_head=args.eagle_head, adaptive_speculation=not args.fixed,
               num_speculative_tokens=args.num_speculative_tokens, speculative_tree_width=args.speculative_tree_width)
     engine, runner = llm.engine, llm.engine.runner

@@ -330,7 +330,8 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
     max_nodes = max(config.speculative_tokens("draft"), 1)
     num_kv_tokens = target.num_kv_tokens + target.max_num_seqs * (max_nodes + config.block_size)
     worker = DraftWorker(DraftWorkerConfig(config.draft_model, str(device), dtype, config.draft_backend,
-                                           config.draft_quantization, cores, num_kv_tokens, config.block_size))
+                                           config.draft_quantization, cores, num_kv_tokens, config.block_size,
+                                           compile_decode=not config.enforce_eager))
     try:
         check_same_vocabulary(worker.tokenizer, target.tokenizer, config.draft_model)
     except ValueError:

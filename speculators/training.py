@@ -142,6 +142,7 @@ def add_self_distillation_args(parser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (the target and the training)")
     p.add_argument("--dtype", default="auto", help="the target's dtype while writing the corpus (default: auto)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="the target runs eagerly (no compiled decode step)")
     p.add_argument("--corpus-only", action="store_true", help="write the corpora that do not exist yet, then "
                                                                "stop (no training)")
 
@@ -162,7 +163,8 @@ def self_distillation_corpus(args):
     corpus; answers to the validation prompts are left out of training."""
     from runtime.engine import LLMEngine
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed)
+    engine = LLMEngine(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64, seed=args.seed,
+                       enforce_eager=args.enforce_eager)
     paths = corpus_paths(args)
     prompts = (load_prompts(args.data or default_prompt_file("train"), args.num_prompts)
                if not all(path.exists() for path in paths) else [])

@@ -66,7 +66,8 @@ class ModelRunner:
         """num_blocks: the blocks the block manager hands out; the cache holds one more, the
         scratch block that padded tokens of a CUDA graph write into. graphs: capture CUDA
         graphs for decode/verify steps within these limits (CUDA and the Triton backend only).
-        compile_decode: plain decode steps run as one compiled graph (compiled_decode)."""
+        compile_decode: plain decode steps run as one compiled graph (compiled_decode), compiled
+        here."""
         self.model = model
         self.config = config
         self.device = device
@@ -83,6 +84,10 @@ class ModelRunner:
     def _make_graphs(self) -> None:
         if self.compile_decode:
             self.compiled_decode = CompiledDecodeStep(self.model, self.kv_cache, self.feature_layers)
+            log.info("compiling the decode step (Inductor caches it: minutes the first time on a machine, "
+                     "seconds after)")
+            seconds = self.compiled_decode.warm_up(self.kv_cache.num_blocks - 1, self.device)
+            log.info("decode step compiled in %.1f s", seconds)
         limits = self.graph_limits
         if limits is not None:
             self.graphs = None  # the old graphs' memory goes back before the new ones are captured

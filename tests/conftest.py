@@ -38,7 +38,7 @@ def engine_f32():
     """
     from runtime.engine import LLMEngine
 
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
     yield engine
     assert not engine.has_unfinished, "a test left requests in the shared engine"
 

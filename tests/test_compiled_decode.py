@@ -1,9 +1,12 @@
-"""The compiled decode step (target_gpu.compiled_decode): a plain decode step as one
-torch.compile'd graph gives plain eager decoding's tokens (float32, the default model, one
-and several sequences at once, prompts longer than a block) and frees every block."""
+"""The compiled decode step (target_gpu.compiled_decode), the default on the CPU: a plain
+decode step as one torch.compile'd graph gives plain eager decoding's tokens (float32, the
+default model, one and several sequences at once, prompts longer than a block), for the
+target and for a CPU draft model; both graphs are compiled when the engine starts, so no
+request waits on compilation; every block comes back."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime.sampling_params import SamplingParams
 
@@ -14,22 +17,87 @@ PROMPTS = ["Explain how a hash table works.", "def fibonacci(n):",
 @pytest.fixture(scope="module")
 def compiled_engine():
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="64MiB", quantization="none",
-                       compile_decode=True)
-    assert engine.runner.compiled_decode is not None
+    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="64MiB", quantization="none")
+    assert engine.runner.compiled_decode is not None  # the default: enforce_eager=False
     return engine
+
+
+def counting(runner):
+    """Count the runner's compiled steps; returns (calls list, restore function)."""
+    calls, step = [], runner.compiled_decode
+    runner.compiled_decode = lambda *a: calls.append(1) or step(*a)
+    return calls, lambda: setattr(runner, "compiled_decode", step)
 
 
 def test_compiled_decode_gives_eager_decodings_tokens(compiled_engine, engine_f32, generate):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    calls = []
-    step = compiled_engine.runner.compiled_decode
-    compiled_engine.runner.compiled_decode = lambda *a: calls.append(1) or step(*a)
+    calls, restore = counting(compiled_engine.runner)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
         assert generate(compiled_engine, PROMPTS[:1], params) == generate(engine_f32, PROMPTS[:1], params)
         assert generate(compiled_engine, PROMPTS, params) == generate(engine_f32, PROMPTS, params)
     finally:
-        compiled_engine.runner.compiled_decode = step
+        restore()
     assert len(calls) >= 2 * 23  # every decode step of both runs went through the compiled graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # compiled at start, not here
     blocks = compiled_engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_compiled_draft_model_gives_plain_eager_decodings_tokens(compiled_engine, engine_f32, generate):
+    """The default model drafting for itself on the CPU, torch backend: its worker's decode
+    steps are compiled too (the target's graphs: one compiled function serves every engine)."""
+    from runtime.engine import LLMEngine
+    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="64MiB", quantization="none",
+                       speculator="draft", draft_model="smollm2-135m", draft_dtype="float32", draft_quantization="none",
+                       draft_backend="torch",
+                       num_speculative_tokens=3, adaptive_speculation=False)
+    try:
+        worker = engine.proposers["draft"].worker
+        assert worker.runner.compiled_decode is not None
+        calls, restore = counting(worker.runner)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        try:
+            assert generate(engine, PROMPTS, params) == generate(engine_f32, PROMPTS, params)
+        finally:
+            restore()
+        assert calls  # the draft's one-token steps ran compiled
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+
+
+def first_decode_step(engine, compiled: bool) -> torch.Tensor:
+    """Next-token probabilities [2, V] after PROMPTS[:2], prefilled eagerly but for their last
+    token, which one decode step runs (compiled or eager), in blocks 0-3 of a fresh engine."""
+    from types import SimpleNamespace
+    runner = engine.runner
+    seqs = [SimpleNamespace(token_ids=engine.tokenize(p), num_computed_tokens=0, block_table=[2 * i, 2 * i + 1])
+            for i, p in enumerate(PROMPTS[:2])]
+    runner.execute(seqs, [len(s.token_ids) - 1 for s in seqs], [True, True])
+    for s in seqs:
+        s.num_computed_tokens = len(s.token_ids) - 1
+    step = runner.compiled_decode
+    if not compiled:
+        runner.compiled_decode = None
+    try:
+        return runner.execute(seqs, [1, 1], [True, True]).float().softmax(-1)
+    finally:
+        runner.compiled_decode = step
+
+
+def test_compiled_step_over_prepacked_bf16_weights_is_as_close_to_float32_as_eager():
+    """bf16, quantization none: oneDNN-prepacked linear layers (PackedLinear, where this CPU
+    has bf16 math) go through the graph as an op of their own. Its next-token distribution
+    is within bf16 noise of float32's, as the eager step's is (total variation 0.01-0.03)."""
+    from runtime.engine import LLMEngine
+    from runtime.models.packed_linear import PackedLinear, can_prepack
+    engine = LLMEngine(dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", quantization="none")
+    packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+    assert packed == can_prepack(torch.bfloat16, torch.device("cpu"))
+    compiled, eager = first_decode_step(engine, True), first_decode_step(engine, False)
+    reference = first_decode_step(LLMEngine(dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                            quantization="none", enforce_eager=True), False)
+    assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+    total_variation = (compiled - reference).abs().sum(-1) / 2  # [2]
+    assert total_variation.max().item() < 0.05, total_variation

@@ -62,7 +62,7 @@ def tiny_draft_dir(tmp_path_factory, engine_f32):
 
 def make_engine(draft_model: str, **kwargs):
     from runtime.engine import LLMEngine
-    return LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB", speculator="draft",
+    return LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", speculator="draft",
                      draft_model=draft_model, **kwargs)
 
 

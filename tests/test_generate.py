@@ -33,7 +33,7 @@ LINES = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="smollm2-135m", dtype="float32", device="cpu", kv_cache_memory="128MiB")
+    return LLM(enforce_eager=True, model="smollm2-135m", dtype="float32", device="cpu", kv_cache_memory="128MiB")
 
 
 @pytest.fixture(scope="module")

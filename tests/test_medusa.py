@@ -432,7 +432,7 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
                for p, out in zip(PROMPTS, plain_outputs)]
     save_corpus(samples, tmp_path / "corpus.jsonl.gz", "smollm2-135m")  # compressed, as shipped corpora are
     out = tmp_path / "resumed"
-    assert train_medusa.main(["--out", str(out), "--corpus", str(tmp_path / "corpus.jsonl.gz"), "--init-heads",
+    assert train_medusa.main(["--enforce-eager", "--out", str(out), "--corpus", str(tmp_path / "corpus.jsonl.gz"), "--init-heads",
                               str(trained_heads), "--steps", "2", "--lr", "0", "--device", "cpu",
                               "--dtype", "float32", "--val-fraction", "0.25"]) == 0
     lm_head = engine_f32.model.lm_head
@@ -458,7 +458,7 @@ def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(pl
     parser = argparse.ArgumentParser()
     add_self_distillation_args(parser)
     first, second = tmp_path / "greedy.jsonl", tmp_path / "sampled.jsonl"
-    args = parser.parse_args(["--out", str(tmp_path / "out"), "--data", str(prompts), "--corpus", str(first),
+    args = parser.parse_args(["--enforce-eager", "--out", str(tmp_path / "out"), "--data", str(prompts), "--corpus", str(first),
                               "--corpus", str(second), "--max-tokens", "8", "--val-fraction", "0.25",
                               "--device", "cpu", "--dtype", "float32"])
     engine, train, val = self_distillation_corpus(args)
@@ -481,7 +481,7 @@ def test_corpus_only_writes_the_answers_and_trains_nothing(plain_outputs, tmp_pa
     from speculators.training import load_corpus
     prompts, corpus, out = tmp_path / "prompts.jsonl", tmp_path / "corpus.jsonl", tmp_path / "out"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    assert train_medusa.main(["--out", str(out), "--data", str(prompts), "--corpus", str(corpus), "--max-tokens", "4",
+    assert train_medusa.main(["--enforce-eager", "--out", str(out), "--data", str(prompts), "--corpus", str(corpus), "--max-tokens", "4",
                               "--corpus-only", "--device", "cpu", "--dtype", "float32"]) == 0
     answers = [s.token_ids[s.num_prompt_tokens:] for s in load_corpus(corpus, "smollm2-135m")]
     assert all(answers) and answers == [out[:len(a)] for out, a in zip(plain_outputs, answers)]
@@ -499,7 +499,7 @@ def test_validation_on_other_prompts_keeps_them_out_of_training(plain_outputs, t
     val_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPTS[3], PROMPTS[0])))
     parser = argparse.ArgumentParser()
     add_self_distillation_args(parser)
-    argv = ["--out", str(tmp_path / "out"), "--data", str(train_prompts), "--corpus", str(tmp_path / "c.jsonl"),
+    argv = ["--enforce-eager", "--out", str(tmp_path / "out"), "--data", str(train_prompts), "--corpus", str(tmp_path / "c.jsonl"),
             "--val-prompts", str(val_prompts), "--max-tokens", "8", "--device", "cpu", "--dtype", "float32"]
     engine, train, val = self_distillation_corpus(parser.parse_args(argv))
     prompt_ids = [engine.tokenize(p) for p in PROMPTS]

@@ -179,7 +179,7 @@ def test_greedy_matches_hf_when_requests_arrive_while_others_decode(engine_f32, 
 def test_greedy_matches_hf_with_chunked_prefill(generate, prompt_ids, hf_reference):
     """A token budget of 8 splits every prompt into chunks that share steps with decodes."""
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=8,
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=8,
                        quantization="none")
     outputs = generate(engine, prompt_ids, greedy())
     assert outputs == hf_reference
@@ -242,7 +242,7 @@ def tiny(request, engine_f32, tmp_path_factory):
     from runtime.engine import LLMEngine
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf_model = save_tiny_model(request.param, directory, engine_f32.tokenizer)
-    engine = LLMEngine(model=str(directory), dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    engine = LLMEngine(enforce_eager=True, model=str(directory), dtype="float32", device="cpu", kv_cache_memory="16MiB")
     return hf_model, engine
 
 
@@ -273,7 +273,7 @@ def test_mistral_sliding_window_caps_the_context(engine_f32, tmp_path, prompt_id
     inside it the logits equal HF's, and a longer prompt is refused rather than miscomputed."""
     from runtime.engine import LLMEngine
     hf_model = save_tiny_model("mistral", tmp_path, engine_f32.tokenizer, sliding_window=8)
-    engine = LLMEngine(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    engine = LLMEngine(enforce_eager=True, model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
     assert engine.max_model_len == 8
     check_prefill_and_decode(engine, hf_model, [prompt_ids[2][:5]], num_decode=2)
     with pytest.raises(ValueError, match="context"):

@@ -66,8 +66,8 @@ def test_prepack_keeps_the_lm_head_weight_and_unpacks_it():
 def bf16_engines():
     from runtime.engine import LLMEngine
 
-    packed = LLMEngine(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", quantization="none")
-    plain = LLMEngine(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", cpu_weight_prepack=False,
+    packed = LLMEngine(enforce_eager=True, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", quantization="none")
+    plain = LLMEngine(enforce_eager=True, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", cpu_weight_prepack=False,
                       quantization="none")
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())

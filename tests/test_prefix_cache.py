@@ -216,7 +216,7 @@ def shared_prefix(engine, num_tokens: int) -> list[int]:
 @pytest.fixture(scope="module")
 def engine_uncached():
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False,
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False,
                        quantization="none")
     yield engine
     engine.close()
@@ -266,7 +266,7 @@ def test_eviction_under_a_tiny_pool_keeps_outputs_and_blocks(generate):
     from runtime.engine import LLMEngine
 
     def engine(caching: bool):
-        return LLMEngine(dtype="float32", device="cpu", kv_cache_memory=24 * 16 * 46080, max_num_seqs=4,
+        return LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory=24 * 16 * 46080, max_num_seqs=4,
                          enable_prefix_caching=caching)
 
     cached, uncached = engine(True), engine(False)

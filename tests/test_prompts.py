@@ -83,7 +83,7 @@ def test_self_prompts_keep_only_new_finished_requests_away_from_the_heldout_ones
     monkeypatch.setattr("runtime.engine.LLMEngine", lambda **kwargs: engine_f32)
     monkeypatch.setattr(engine_f32, "close", lambda: None)
     out = tmp_path / "self.jsonl"
-    assert make_self_prompts.main(["--out", str(out), "--num-samples", str(len(sampled))]) == 0
+    assert make_self_prompts.main(["--enforce-eager", "--out", str(out), "--num-samples", str(len(sampled))]) == 0
     assert texts(out) == ["How do clouds form?", "Plan a trip to Lisbon for me.", "Which skills does a chef need?"]
 
 

@@ -216,7 +216,7 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibon
 @pytest.fixture(scope="module")
 def quantized_engine():
     from runtime.engine import LLMEngine
-    engine = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="128MiB", quantization="auto",
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="128MiB", quantization="auto",
                        draft_model="smollm2-135m", draft_dtype="float32", draft_quantization="int8",
                        draft_backend="torch", adaptive_speculation=False, seed=0)
     yield engine

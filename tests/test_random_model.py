@@ -18,7 +18,7 @@ def test_a_small_qwen2_shape_loads_and_generates(tmp_path, monkeypatch):
         tie_word_embeddings=True))
     out = make_random_model.make_random_model("tiny", tmp_path / "tiny", dtype="float32")
     from runtime import LLM, SamplingParams
-    llm = LLM(model=str(out), device="cpu", dtype="float32", kv_cache_memory="64MiB")
+    llm = LLM(enforce_eager=True, model=str(out), device="cpu", dtype="float32", kv_cache_memory="64MiB")
     cfg = llm.engine.model_config
     assert (cfg.architecture, cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads) == ("qwen2", 151936, 2, 2)
     assert cfg.attention_bias and cfg.eos_token_ids == [151645]

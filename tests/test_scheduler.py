@@ -190,7 +190,7 @@ def test_tiny_pool_preempts_and_matches_a_large_pool(engine_f32, generate):
     num_blocks, block_size = 6, 16
     per_block = bytes_per_block(engine_f32.model_config, block_size, torch.float32)
     # a budget of 16 also chunks the recomputation of preempted sequences (prompt + output so far)
-    engine = LLMEngine(dtype="float32", device="cpu", block_size=block_size, max_num_batched_tokens=16,
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", block_size=block_size, max_num_batched_tokens=16,
                        kv_cache_memory=num_blocks * per_block, quantization="none")
     assert engine.block_manager.num_blocks == num_blocks
     assert max(len(engine.tokenize(p)) for p in PREEMPTION_PROMPTS) + 40 <= engine.max_model_len

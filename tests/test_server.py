@@ -91,7 +91,7 @@ def serving(app):
 
 @pytest.fixture(scope="module")
 def served():
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8,
                                     speculator="lookahead"))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, speculator="none")
     completion_ref = run_directly(engine, PROMPT, greedy)

@@ -31,7 +31,7 @@ COPY = "Repeat exactly: one two three four five six seven eight nine ten. Again:
 
 
 def make_engine(**kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="128MiB", quantization="none",
+    return LLMEngine(EngineConfig(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="128MiB", quantization="none",
                                   **kwargs))
 
 

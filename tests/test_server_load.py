@@ -64,7 +64,7 @@ async def run_clients(base_url: str, hang_ups: dict[int, int]) -> list[str | Non
 
 
 def test_64_streaming_clients_a_third_hanging_up():
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=32,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=32,
                                     speculator="lookahead"))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     alone = [run_directly(engine, p, greedy) for p in distinct_prompts()] * (NUM_CLIENTS // 16)

@@ -23,7 +23,7 @@ READ_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def api_schema():
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", max_model_len=64,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", max_model_len=64,
                                     max_num_seqs=16))
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, MODEL)

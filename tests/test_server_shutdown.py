@@ -32,7 +32,7 @@ def server_process(*flags: str):
     port = free_port()
     env = {**os.environ, "HETEROSPEC_API_KEY": "sekret"}
     proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--port", str(port), "--dtype", "float32",
-                             "--kv-cache-memory", "64MiB", "--log-level", "warning", *flags],
+                             "--kv-cache-memory", "64MiB", "--log-level", "warning", "--enforce-eager", *flags],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:

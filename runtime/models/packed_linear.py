@@ -22,6 +22,26 @@ from torch import nn
 from runtime.config import cpu_has_bf16_math
 
 
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T + b -> [M, N], W prepacked."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# An op of its own, so that torch.compile calls it as it is: Inductor's lowering of
+# `_linear_pointwise` wants the weight as a graph constant (its freezing pass), and the
+# compiled decode step passes weights in. Defined with torch.library.Library, not custom_op,
+# whose aliasing check reads the storage of its inputs, which an opaque tensor does not have.
+_LIBRARY = torch.library.Library("heterospec", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("heterospec::packed_linear")
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear weights of `dtype` on `device` can be prepacked here."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
@@ -43,8 +63,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias,
-                                               "none", [], "")  # [M, N]
+        y = torch.ops.heterospec.packed_linear(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, self.out_features)  # [M, N]
         return y.reshape(*shape[:-1], self.out_features)
 
     def unpacked(self) -> nn.Linear:
