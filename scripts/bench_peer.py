@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", action="store_true", help="add the draft-model speculation row (--target, --draft)")
     p.add_argument("--target", help="speculation: target .gguf (or alias)")
     p.add_argument("--draft", help="speculation: draft .gguf (or alias), the target's vocabulary")
+    p.add_argument("--draft-backend", default="auto", choices=("auto", "ipex", "torch"),
+                   help="speculation: ours' --draft-backend (default: %(default)s)")
     p.add_argument("--output", type=Path, default=None,
                    help="markdown report (default: results/bench_peer-<date>.md)")
     args = p.parse_args(argv)
@@ -289,10 +291,12 @@ def main(argv=None) -> None:
         for q in args.quantization:
             mode = q.removesuffix("+eager")
             llm = LLM(model=str(target), dtype=args.dtype, quantization=mode, speculator="draft",
-                      draft_model=str(draft), draft_quantization=mode, max_num_seqs=1, seed=0,
+                      draft_model=str(draft), draft_quantization=mode, draft_backend=args.draft_backend,
+                      max_num_seqs=1, seed=0,
                       enforce_eager=q.endswith("+eager"))
             row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
-                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}")
+                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}, backend "
+                      f"{llm.engine.proposers['draft'].worker.backend}")
             llm.generate([prompt], sp, use_tqdm=False)
             group.append((row, llm))
             rows.append(row)
