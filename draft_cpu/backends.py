@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.config import amx_available
+from runtime.platform import amx_available
 from runtime.models.decoder import RMSNorm
 from runtime.models.packed_linear import PackedLinear, can_prepack, linear_children, prepack_linears
 from runtime.models.quant_linear import Int4Linear, Int8Linear, linear_kernels

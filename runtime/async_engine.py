@@ -25,7 +25,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from runtime.engine import LLMEngine, Prompt, RequestOutput
+from runtime.engine import LLMEngine, Prompt
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("runtime.async_engine")

@@ -9,7 +9,7 @@ half-open  after the cooldown the next call is a trial: success closes the break
            resets the cooldown), failure opens it again.
 
 Speculation is an optimization, so a failing proposer (a crashed draft worker, a head that
-raises) costs speed, never requests; ARCHITECTURE.md, "Nothing is lost".
+raises) costs speed, never requests; docs/architecture.md, "Nothing is lost".
 """
 from __future__ import annotations
 

@@ -34,30 +34,15 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import RequestMetrics, Sequence, count_accepted_positions
 from runtime.speculation import SpeculationController
-from speculators import DraftTree, ProposalRequest, Proposer, TargetInfo, build_proposer
+from runtime.draft_tree import DraftTree
+from runtime.outputs import RequestOutput
+from speculators import ProposalRequest, Proposer, TargetInfo, build_proposer
 from target_gpu.kv_cache import bytes_per_block, parse_memory
 from target_gpu.model_runner import GraphLimits, ModelRunner
 
 log = logging.getLogger("runtime.engine")
 
 Prompt = str | list[dict] | list[int]  # text, chat messages, or token ids
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What a request has produced so far (and what is new since the last step)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text so far (stop string removed)
-    new_token_ids: list[int]
-    delta_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprobs] | None = None  # per output token so far, when the request asked for them
-    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -79,7 +64,7 @@ class EngineStats:
     num_bonus_tokens: int = 0
     num_recovered_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: verify steps that accepted depth d
-    # time (seconds): proposers' own workers busy, the target busy, both at once (ARCHITECTURE.md, Overlap)
+    # time (seconds): proposers' own workers busy, the target busy, both at once (docs/architecture.md, Overlap)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     overlap_seconds: float = 0.0

@@ -34,9 +34,10 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.engine import RequestOutput
+from runtime.outputs import RequestOutput
 from runtime.logprobs import TokenLogprobs
-from runtime.sampling_params import MAX_LOGPROBS, SPECULATORS, SamplingParams, check_speculator
+from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from speculators import registry
 
 MAX_N = 16  # choices per request
 
@@ -159,9 +160,9 @@ class GenerationRequest(BaseModel):
         if options == "off":
             return "none", None
         try:
-            check_speculator(options.method)
+            registry.check_name(options.method)
         except ValueError:
-            raise ApiError(f"speculation.method must be one of {', '.join(SPECULATORS)} or several of them joined by "
+            raise ApiError(f"speculation.method must be one of {', '.join(registry.names())} or several of them joined by "
                            f"'+' (e.g. eagle+lookahead), got {options.method!r}", "speculation") from None
         tokens = options.num_speculative_tokens
         if tokens is not None and not 0 <= tokens <= 64:

@@ -73,7 +73,7 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, trees: list, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[Verdict]:
         """logits [R, V] with 1 + len(tree) rows per sequence (root, then node 0, 1, ...);
-        trees: DraftTree per sequence (speculators.tree); one Verdict per sequence."""
+        trees: DraftTree per sequence (runtime.draft_tree); one Verdict per sequence."""
         row_starts = []
         num_rows = 0
         for tree in trees:

@@ -3,25 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Proposer names (speculators/); "none" is plain decoding. Several joined by "+" (e.g.
-# "eagle+lookahead") draft together, their trees merged (speculators/composite.py).
-SPECULATORS = ("none", "ngram", "lookahead", "draft", "eagle", "medusa")
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
-
-
-def speculator_parts(name: str) -> list[str]:
-    """The proposers a speculator name stands for: "eagle+lookahead" -> ["eagle", "lookahead"]."""
-    return name.split("+")
-
-
-def check_speculator(name: str) -> None:
-    parts = speculator_parts(name)
-    if len(parts) == 1 and name in SPECULATORS:
-        return
-    if len(parts) > 1 and len(set(parts)) == len(parts) and all(p in SPECULATORS and p != "none" for p in parts):
-        return
-    raise ValueError(f"unknown speculator {name!r}; choose one of {', '.join(SPECULATORS)}, or several distinct "
-                     f"ones other than none joined by '+' (e.g. eagle+lookahead)")
 
 
 @dataclass(slots=True)
@@ -45,7 +27,8 @@ class SamplingParams:
     # the log probability of each output token and of the `logprobs` most likely tokens at its
     # position (runtime.logprobs); None = none reported
     logprobs: int | None = None
-    # speculation for this request; None = the engine's setting, "none" or 0 tokens = off
+    # speculation for this request; None = the engine's setting, "none" or 0 tokens = off; the
+    # engine checks the name against its speculators (speculators.registry) when the request is added
     speculator: str | None = None
     num_speculative_tokens: int | None = None
 
@@ -74,8 +57,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
-        if self.speculator is not None:
-            check_speculator(self.speculator)
+        if self.speculator is not None and (not isinstance(self.speculator, str) or not self.speculator):
+            raise ValueError(f"speculator must be a speculator's name, got {self.speculator!r}")
         if self.num_speculative_tokens is not None and (
                 not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
                 or self.num_speculative_tokens < 0):

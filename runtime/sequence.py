@@ -12,7 +12,7 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from speculators.tree import DraftTree
+    from runtime.draft_tree import DraftTree
 
 
 class SequenceStatus(enum.Enum):
@@ -23,7 +23,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps (time.perf_counter) and what follows from them; see ARCHITECTURE.md, Metrics."""
+    """Timestamps (time.perf_counter) and what follows from them; see docs/architecture.md, Metrics."""
 
     arrival_time: float
     first_token_time: float | None = None
@@ -31,7 +31,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_tokens: int = 0  # output tokens
     num_preemptions: int = 0
-    # speculation (ARCHITECTURE.md, Metrics): draft tokens verified, of which accepted,
+    # speculation (docs/architecture.md, Metrics): draft tokens verified, of which accepted,
     # in how many verify steps (steps with a draft), and accepted counts by draft depth
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

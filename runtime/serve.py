@@ -47,7 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, EngineDeadError
 from runtime.config import ENGINE_ARGS, EngineConfig, add_engine_args
-from runtime.engine import LLMEngine, Prompt, RequestOutput
+from runtime.engine import LLMEngine, Prompt
+from runtime.outputs import RequestOutput
 from runtime.models.config import UnsupportedModelError
 from runtime.models.loader import DEFAULT_MODEL, ModelNotFoundError
 from runtime.openai_protocol import (SSE_DONE, ApiError, ChatCompletionRequest, ChatFormat, CompletionFormat,

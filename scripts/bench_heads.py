@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from runtime import LLM  # noqa: E402
-from runtime.config import DEFAULT_EAGLE_DEPTH, DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
+from speculators import registry  # noqa: E402
+from speculators.eagle import DEFAULT_DEPTH as DEFAULT_EAGLE_DEPTH  # noqa: E402
+DEFAULT_SPECULATIVE_TOKENS = {s.name: s.num_speculative_tokens for s in registry.speculators().values()}
 from runtime.speculation import SpeculationController  # noqa: E402
 from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
 from speculators.training import default_prompt_file, load_prompts  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.config import DEFAULT_SPECULATIVE_TOKENS  # noqa: E402
+from speculators import registry  # noqa: E402
 from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
 from runtime.speculation import SpeculationController  # noqa: E402
 
@@ -165,7 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default=None, help="engine KV cache size (default: the engine's)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="engine draft tokens per step (default: the engine's: "
-                        + ", ".join(f"{k} for {n}" for n, k in DEFAULT_SPECULATIVE_TOKENS.items()) + ")")
+                        + ", ".join(f"{k} for {n}" for n, k in ((s.name, s.num_speculative_tokens) for s in registry.speculators().values())) + ")")
     p.add_argument("--tree-width", type=int, default=3, help="lookahead tree row: most children per draft node "
                                                              "(default: %(default)s)")
     p.add_argument("--no-adaptive-speculation", dest="adaptive", action="store_false",

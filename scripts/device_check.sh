@@ -82,8 +82,8 @@ run() {
 'transformers', transformers.__version__)"
     local out=${OUT:-/tmp}
     echo "== GPU tests"
-    local tests="tests/test_triton_attention.py tests/test_attention.py"
-    [ $have_model = 1 ] && tests="$tests tests/test_cuda.py"
+    local tests="tests/kernels/test_triton_attention.py tests/kernels/test_attention.py"
+    [ $have_model = 1 ] && tests="$tests tests/kernels/test_cuda.py"
     timeout 240 $PY -m pytest -q -x $tests -p no:cacheprovider 2>&1 | tail -15 | tee "$out/tests.txt"
     echo "== benchmarks"
     : > "$out/bench.md"

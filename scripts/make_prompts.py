@@ -10,7 +10,7 @@ kinds of request (and code in Rust, C and scripts), 1,424 prompts.
 
 Nothing here overlaps the held-out prompts (`heldout_prompts.jsonl`): their topics,
 programming tasks and templates are all left out, so held-out acceptance still measures
-prompts of a kind the head never saw (tests/test_prompts.py checks this).
+prompts of a kind the head never saw (tests/speculators/test_prompts.py checks this).
 
     .venv/bin/python scripts/make_prompts.py                 # writes the default path
     .venv/bin/python scripts/make_prompts.py --varied        # writes train_varied_prompts.jsonl
@@ -28,7 +28,7 @@ DATA = Path(__file__).resolve().parents[1] / "speculators" / "data"
 DEFAULT_OUT = DATA / "train_large_prompts.jsonl"
 VARIED_OUT = DATA / "train_varied_prompts.jsonl"
 
-HELDOUT_TEMPLATES = [  # every held-out prompt is one of these (tests/test_prompts.py checks it)
+HELDOUT_TEMPLATES = [  # every held-out prompt is one of these (tests/speculators/test_prompts.py checks it)
     r"Write a short story that involves (.+)\.",
     r"Tell me something surprising about (.+)\.",
     r"Describe (.+) in simple words\.",

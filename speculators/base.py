@@ -17,7 +17,7 @@ import torch
 from runtime.models.packed_linear import PackedLinear, can_prepack
 from runtime.models.quant_linear import QuantizedLinear, float_linear
 from runtime.sampling_params import SamplingParams
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 IGNORE = -100  # a label the training cross-entropy skips; a target token outside a draft vocabulary
 

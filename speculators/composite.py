@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from speculators.base import ProposalRequest, Proposer
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 
 def merge_trees(trees: list[DraftTree]) -> DraftTree:

@@ -35,7 +35,9 @@ import torch
 from runtime.sampling import target_probs
 from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest, Proposer
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from speculators.registry import Setting, Speculator
+from speculators.settings import DRAFT_PLACEMENT
 
 log = logging.getLogger("speculators.draft")
 
@@ -346,3 +348,18 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
              "off" + (" (draft and target share the CPU cores; --draft-cpu-cores splits them)"
                       if config.draft_overlap == "auto" else ""))
     return DraftModelProposer(worker, target.vocab_size, config.draft_min_path_prob, target.seed, overlap)
+
+
+SPECULATOR = Speculator(
+    "draft", build_draft_proposer, num_speculative_tokens=6, tree_width=2,
+    settings=(Setting("draft_model", None, "speculator draft: the draft model (alias, .gguf file or HF directory) "
+                      "with the target's vocabulary"),
+              *DRAFT_PLACEMENT,
+              Setting("draft_cpu_cores", None, "pin the CPU draft worker to these cores, e.g. 0-15 or 0-3,8-11; "
+                      "the rest of the process moves off them (default: all but one core with a GPU target; "
+                      "unpinned when the target is on the CPU)"),
+              Setting("draft_min_path_prob", 0.2, "stop extending a draft chain when its probability under the "
+                      "draft model falls below this", float, minimum=0.0, below=1.0),
+              Setting("draft_overlap", "auto", "keep drafting while the target verifies: auto = on when the draft "
+                      "has its own device or cores", choices=("auto", "on", "off"))),
+    requires=lambda config: None if config.draft_model else "a draft model: --draft-model PATH (or draft_model=...)")

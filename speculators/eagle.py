@@ -42,9 +42,11 @@ import torch
 from runtime.block_manager import BlockManager
 from speculators.base import ProposalRequest, Proposer, frozen_on, prepare_head
 from speculators.eagle_heads import Eagle3Head, EagleHead, load_head
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
 from target_gpu.kv_cache import KVCache
+from speculators.registry import Setting, Speculator
+from speculators.settings import DRAFT_PLACEMENT
 
 log = logging.getLogger("speculators.eagle")
 
@@ -234,6 +236,7 @@ def _best_tree(nodes: list[_Node], max_nodes: int) -> DraftTree:
 
 
 _EMPTY = DraftTree([], [])
+DEFAULT_DEPTH = 5  # EAGLE-2 expansion steps, the deepest draft
 
 
 def build_eagle_proposer(config, target) -> EagleProposer:
@@ -255,3 +258,15 @@ def build_eagle_proposer(config, target) -> EagleProposer:
              f"EAGLE-3 (target layers {head.feature_layers}, {head.draft_vocab_size} draft tokens)", device,
              str(dtype).replace("torch.", ""), f" ({backend})" if backend else "", config.eagle_depth)
     return EagleProposer(head, device, config.eagle_depth, num_kv_tokens, config.block_size)
+
+
+SPECULATOR = Speculator(
+    "eagle", build_eagle_proposer, num_speculative_tokens=16, tree_width=4,
+    settings=(Setting("eagle_head", None, "speculator eagle: a trained EAGLE head (a directory or file in the "
+                      "public EAGLE layout; python -m scripts.train_eagle makes one); it runs where --draft-device "
+                      "says"),
+              Setting("eagle_depth", DEFAULT_DEPTH, "speculator eagle: EAGLE-2 expansion steps, the deepest draft; "
+                      "--speculative-tree-width is the top-k expanded per step", int, minimum=1),
+              *DRAFT_PLACEMENT),
+    requires=lambda config: None if config.eagle_head else (
+        "a trained head: --eagle-head DIR (or eagle_head=...; python -m scripts.train_eagle trains one)"))

@@ -29,7 +29,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from speculators.base import Proposer, ProposalRequest
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from speculators.registry import Setting, Speculator
+from speculators.settings import PROMPT_LOOKUP
 
 
 class _Node:
@@ -197,3 +199,15 @@ class LookaheadProposer(Proposer):
                 state.global_cursors = self.global_trie.push(state.global_cursors, token)
         state.num_indexed = len(token_ids)
         return state
+
+
+def _build(config, target) -> LookaheadProposer:
+    return LookaheadProposer(max_depth=max(config.speculative_tokens("lookahead"), 1),
+                             min_match=config.prompt_lookup_min, max_match=config.prompt_lookup_max,
+                             global_max_nodes=config.lookahead_global_nodes)
+
+
+# extra nodes cost little to verify: on the input-grounded benchmark, trees of width 3 beat chains
+SPECULATOR = Speculator("lookahead", _build, num_speculative_tokens=8, tree_width=3, settings=PROMPT_LOOKUP + (
+    Setting("lookahead_global_nodes", 0, "lookahead: node cap of a trie shared by all requests (least recently "
+            "used first out); 0 = off", int, minimum=0),))

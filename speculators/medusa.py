@@ -50,7 +50,9 @@ from torch import nn
 
 from speculators.base import ProposalRequest, Proposer, frozen_on
 from speculators.draft_vocab import DraftVocabulary
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from speculators.registry import Setting, Speculator
+from speculators.settings import DRAFT_PLACEMENT
 
 log = logging.getLogger("speculators.medusa")
 
@@ -432,3 +434,16 @@ def build_medusa_proposer(config, target) -> MedusaProposer:
              ", reading the root token" if heads.reads_token else "", device,
              str(dtype).replace("torch.", ""), len(tree), tree.max_depth)
     return MedusaProposer(heads, tree, device)
+
+
+SPECULATOR = Speculator(
+    "medusa", build_medusa_proposer, num_speculative_tokens=16, tree_width=9,  # width: its default tree's
+    settings=(Setting("medusa_heads", None, "speculator medusa: trained heads (a directory or .safetensors file in "
+                      "the public Medusa layout; python -m scripts.train_medusa makes them); they run where "
+                      "--draft-device says"),
+              Setting("medusa_tree", None, "speculator medusa: the candidate tree, a JSON list of top-k rank paths "
+                      "such as [[0], [0, 0], [1]] (default: every path whose ranks sum to at most "
+                      f"{DEFAULT_RANK_SUM})"),
+              *DRAFT_PLACEMENT),
+    requires=lambda config: None if config.medusa_heads else (
+        "trained heads: --medusa-heads DIR (or medusa_heads=...; python -m scripts.train_medusa trains them)"))

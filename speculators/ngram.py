@@ -10,7 +10,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from speculators.base import Proposer, ProposalRequest
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from speculators.registry import Speculator
+from speculators.settings import PROMPT_LOOKUP, check_prompt_lookup
 
 
 class NGramProposer(Proposer):
@@ -38,3 +40,11 @@ class NGramProposer(Proposer):
                 start = int(starts[-1]) + n
                 return tokens[start:start + k].tolist()
         return []
+
+
+def _build(config, target) -> NGramProposer:
+    return NGramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+SPECULATOR = Speculator("ngram", _build, num_speculative_tokens=4, tree_width=1, settings=PROMPT_LOOKUP,
+                        check=check_prompt_lookup)

@@ -249,7 +249,7 @@ def target_states(model, samples: list[Sample], feature_layers: tuple[int, ...] 
 def autocast(module: nn.Module):
     """bf16 autocast on the module's device where bf16 math is native (tensor cores on a
     GPU, AMX or AVX-512 BF16 on a CPU); float32 elsewhere (an AVX2 CPU emulates bf16)."""
-    from runtime.config import cpu_has_bf16_math
+    from runtime.platform import cpu_has_bf16_math
     device_type = next(module.parameters()).device.type
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda" or cpu_has_bf16_math())
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.config import DEFAULT_EAGLE_DEPTH, DEFAULT_SPECULATIVE_TOKENS, DEFAULT_TREE_WIDTH
+from speculators.eagle import DEFAULT_DEPTH, SPECULATOR as EAGLE
 from speculators.base import IGNORE, ProposalRequest
 from speculators.training import Sample, autocast, dense_causal_attention, optimizer_with_schedule, target_states
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 
 @dataclass(slots=True)
@@ -251,9 +251,9 @@ def _as_target_hidden(head, features: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def step_acceptance(head, samples: list[EagleSample], depth: int = DEFAULT_EAGLE_DEPTH,
-                    tree_width: int = DEFAULT_TREE_WIDTH["eagle"],
-                    max_nodes: int = DEFAULT_SPECULATIVE_TOKENS["eagle"]) -> float:
+def step_acceptance(head, samples: list[EagleSample], depth: int = DEFAULT_DEPTH,
+                    tree_width: int = EAGLE.tree_width,
+                    max_nodes: int = EAGLE.num_speculative_tokens) -> float:
     """Mean tokens per verify step when a greedy decode with fixed trees (adaptive sizing
     off) walks each sample's answer: after the prefill wrote the first answer token, each
     step the proposer (speculators/eagle.EagleProposer, as the engine runs it) drafts an

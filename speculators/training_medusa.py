@@ -163,10 +163,10 @@ def evaluate_medusa(heads, data: MedusaData, tree=None, max_nodes: int | None = 
     """{val_loss, val_chain_acceptance, val_tree_acceptance (per decode step, step_acceptance),
     val_tree_acceptance_per_position} over data (the tree: `tree`, default the heads'
     default tree, cut to max_nodes, default Medusa's node budget)."""
-    from runtime.config import DEFAULT_SPECULATIVE_TOKENS
+    from speculators.medusa import SPECULATOR
     from speculators.medusa import CompiledTree, default_choices
     tree = tree or CompiledTree(default_choices(heads.num_heads))
-    max_nodes = max_nodes or DEFAULT_SPECULATIVE_TOKENS["medusa"]
+    max_nodes = max_nodes or SPECULATOR.num_speculative_tokens
     heads.eval()
     total_loss, chain, in_tree = 0.0, [], []
     for start in range(0, len(data), batch_size):

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from target_gpu.kv_cache import KVCache
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA when it can run there, else torch
+
 # Sequences with at most this many new tokens are padded into one batched call;
 # longer ones (prefill chunks) get a call each, so padding never costs much.
 MAX_BATCHED_QUERY_LEN = 16

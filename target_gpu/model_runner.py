@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config import ATTENTION_BACKENDS
+from target_gpu.attention import ATTENTION_BACKENDS
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import DecoderModel
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend

@@ -73,34 +73,8 @@ def eagle_engine(engine_f32):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def run_to_completion(engine, prompts, params, max_steps: int = 100_000) -> list[list[int]]:
-    """Add every prompt (with its SamplingParams, or one for all), step until all finish.
-
-    Returns the output token ids of each prompt, in order. Whatever happens, the engine is
-    left idle (unfinished requests are aborted), so a failing test cannot poison the next.
-    """
-    if not isinstance(params, (list, tuple)):
-        params = [params] * len(prompts)
-    ids = []
-    finished: dict[str, list[int]] = {}
-    try:
-        ids.extend(engine.add_request(p, sp) for p, sp in zip(prompts, params))
-        for _ in range(max_steps):
-            if not engine.has_unfinished:
-                break
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = list(out.token_ids)
-        else:
-            raise AssertionError(f"engine did not finish within {max_steps} steps")
-    finally:
-        for rid in ids:
-            if rid not in finished:
-                engine.abort(rid)
-    return [finished[rid] for rid in ids]
-
-
 @pytest.fixture(scope="session")
 def generate():
-    """run_to_completion as a fixture, so test modules need not import conftest."""
+    """tests.helpers.run_to_completion as a fixture."""
+    from tests.helpers import run_to_completion
     return run_to_completion

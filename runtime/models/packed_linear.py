@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import cpu_has_bf16_math
+from runtime.platform import cpu_has_bf16_math
 
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

@@ -2,12 +2,13 @@
 the default model through the Triton attention backend and CUDA graphs against HF
 transformers on the same GPU (float32 greedy, token for token), graphs against eager
 steps, and speculation against plain decoding. Kernel-level checks against the PyTorch
-reference, bf16 included, are in tests/test_triton_attention.py.
+reference, bf16 included, are in tests/kernels/test_triton_attention.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,13 +22,8 @@ PROMPTS = [
 ]
 
 
-def greedy(num_tokens: int = NUM_TOKENS):
-    from runtime.sampling_params import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-
-
 def outputs(llm) -> list[list[int]]:
-    return [r.token_ids for r in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    return [r.token_ids for r in llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +59,7 @@ def test_triton_and_graphs_greedy_equals_hf_on_the_gpu(graphs_f32, hf_cuda_greed
 
 def test_one_request_at_a_time_equals_hf(graphs_f32, hf_cuda_greedy):
     for prompt, ref in zip(PROMPTS, hf_cuda_greedy):
-        assert graphs_f32.generate([prompt], greedy(), use_tqdm=False)[0].token_ids == ref
+        assert graphs_f32.generate([prompt], greedy(NUM_TOKENS), use_tqdm=False)[0].token_ids == ref
 
 
 def test_graph_steps_equal_eager_steps(graphs_f32):
@@ -90,7 +86,7 @@ def test_bf16_triton_logits_close_to_the_torch_backend():
         engine = LLMEngine(device="cuda", dtype="bfloat16", kv_cache_memory="512MiB", attention_backend=backend,
                            enforce_eager=True)
         from runtime.sequence import Sequence
-        seq = Sequence("x", engine.tokenize(PROMPTS[2]), greedy())
+        seq = Sequence("x", engine.tokenize(PROMPTS[2]), greedy(NUM_TOKENS))
         engine.block_manager.may_append(seq, len(seq.token_ids))
         logits.append(engine.runner.execute([seq], [len(seq.token_ids)], [True]).float().cpu())
         engine.block_manager.free(seq)

@@ -31,6 +31,7 @@ from runtime.sampling_params import SamplingParams
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+from tests.helpers import greedy
 
 CPU = torch.device("cpu")
 
@@ -223,15 +224,11 @@ def quantized_engine():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def greedy(speculator: str, max_tokens: int = 32) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculator=speculator)
-
-
 def test_greedy_speculation_on_a_quantized_target_is_lossless(quantized_engine, generate):
-    plain = generate(quantized_engine, PROMPTS, greedy("none"))
+    plain = generate(quantized_engine, PROMPTS, greedy(speculator="none"))
     for speculator in ("lookahead", "draft"):
         drafted = quantized_engine.stats.num_draft_tokens
-        assert generate(quantized_engine, PROMPTS, greedy(speculator)) == plain, speculator
+        assert generate(quantized_engine, PROMPTS, greedy(speculator=speculator)) == plain, speculator
         assert quantized_engine.stats.num_draft_tokens > drafted
 
 

@@ -19,6 +19,7 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
+from tests.helpers import greedy
 
 ATOL = 1e-4
 NUM_GREEDY = 64
@@ -30,10 +31,6 @@ PROMPTS = [
     "dragons, knights and the old kings of the north. One day she",
     "1, 2, 3, 4,",
 ]
-
-
-def greedy(max_tokens: int = NUM_GREEDY) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def hf_greedy(hf_model, token_ids: list[int], num_tokens: int) -> list[int]:
@@ -60,7 +57,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def sequences(engine, token_lists):
     """Sequences that hold blocks of `engine`'s pool while the block runs, freed afterwards."""
     assert not engine.has_unfinished
-    seqs = [Sequence(f"logits-{i}", list(ids), greedy()) for i, ids in enumerate(token_lists)]
+    seqs = [Sequence(f"logits-{i}", list(ids), greedy(NUM_GREEDY)) for i, ids in enumerate(token_lists)]
     try:
         yield seqs
     finally:
@@ -144,13 +141,13 @@ def test_chunked_prefill_logits_match_hf_at_every_position(engine_f32, hf_smollm
 
 def test_greedy_matches_hf_batch_size_1(engine_f32, generate, prompt_ids, hf_reference):
     for i in (0, 2):  # the shortest and the longest prompt, one at a time
-        [ours] = generate(engine_f32, [prompt_ids[i]], greedy())
+        [ours] = generate(engine_f32, [prompt_ids[i]], greedy(NUM_GREEDY))
         assert ours == hf_reference[i], f"prompt {i}: first difference at token {first_difference(ours, hf_reference[i])}"
 
 
 def test_greedy_matches_hf_batched(engine_f32, generate, prompt_ids, hf_reference):
     """All prompts (different lengths) in one engine at once, plus text prompts tokenized by the engine."""
-    outputs = generate(engine_f32, prompt_ids + PROMPTS[:2], greedy())
+    outputs = generate(engine_f32, prompt_ids + PROMPTS[:2], greedy(NUM_GREEDY))
     assert outputs == hf_reference + hf_reference[:2]
     assert engine_f32.block_manager.num_free_blocks == engine_f32.block_manager.num_blocks
 
@@ -163,7 +160,7 @@ def test_greedy_matches_hf_when_requests_arrive_while_others_decode(engine_f32, 
     try:
         for step in range(10_000):
             for i in arrivals.get(step, []):
-                request_ids[engine.add_request(prompt_ids[i], greedy())] = i
+                request_ids[engine.add_request(prompt_ids[i], greedy(NUM_GREEDY))] = i
             if not engine.has_unfinished and len(request_ids) == len(prompt_ids):
                 break
             for out in engine.step():
@@ -181,7 +178,7 @@ def test_greedy_matches_hf_with_chunked_prefill(generate, prompt_ids, hf_referen
     from runtime.engine import LLMEngine
     engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=8,
                        quantization="none")
-    outputs = generate(engine, prompt_ids, greedy())
+    outputs = generate(engine, prompt_ids, greedy(NUM_GREEDY))
     assert outputs == hf_reference
     assert engine.stats.num_steps >= NUM_GREEDY + max(len(ids) for ids in prompt_ids) // 8
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -19,7 +19,7 @@ from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.lookahead import LookaheadProposer, NGramTrie
 from speculators.ngram import NGramProposer
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 GREEDY = SamplingParams(temperature=0.0)
 

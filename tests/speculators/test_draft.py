@@ -28,22 +28,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_to_completion
-from runtime.config import amx_available
+from tests.helpers import run_to_completion
+from runtime.platform import amx_available
 from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
+from tests.helpers import greedy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig.\nList: apple,",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
     "The capital of France is",
     "Write a short poem about the sea.",
 ]
-
-
-def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +175,7 @@ def test_ipex_bf16_draft_is_lossless():
 def test_sampled_requests_are_reproducible_with_fixed_drafts(self_draft_engine):
     """Seeded sampling with draft probabilities: the same drafts give the same tokens (with
     adaptive sizing the tree shapes, and so the number of draws, follow measured costs; the
-    law of the output is the target's either way, tests/test_rejection_sampler.py)."""
+    law of the output is the target's either way, tests/unit/test_rejection_sampler.py)."""
     engine = self_draft_engine  # fixed draft sizes
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
     first = run_to_completion(engine, PROMPTS[:2], params)

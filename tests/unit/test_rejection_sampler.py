@@ -25,7 +25,7 @@ import torch
 import runtime.rejection_sampler as rejection_sampler
 from runtime.rejection_sampler import RejectionSampler
 from runtime.sampling_params import SamplingParams
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0)

@@ -9,15 +9,12 @@ AWQ: outputs along the words in the order 0, 2, 4, 6, 1, 3, 5, 7).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import make_random_model  # noqa: E402
+from scripts import make_random_model
 
 from runtime.models.quant_linear import DequantizingLinear, Int4Linear, linear_kernels  # noqa: E402
 from runtime.models.quantized_weight import UnsupportedQuantizationError, quantize_int4  # noqa: E402

@@ -28,6 +28,7 @@ from speculators.eagle import EagleProposer, _best_tree, _Node
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head, to_public_names
 from speculators.training import Sample
 from speculators.training_eagle import eagle_data, train_eagle
+from tests.helpers import greedy
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -40,10 +41,6 @@ PUBLIC_NAMES = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "lay
                 "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
                 "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
                 "layers.0.post_attention_layernorm.weight"}
-
-
-def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def tiny_config(**changes) -> ModelConfig:

@@ -11,7 +11,7 @@ import torch
 from runtime.rejection_sampler import RejectionSampler
 from runtime.sampling import apply_top_k_top_p, target_probs
 from runtime.sampling_params import SamplingParams
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
 
 EMPTY = DraftTree([], [])
 

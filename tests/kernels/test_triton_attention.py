@@ -1,5 +1,5 @@
 """TritonAttentionBackend against the PyTorch reference (TorchAttentionBackend, the oracle)
-and against naive float64 attention (tests/test_attention.py): decodes, random token trees,
+and against naive float64 attention (tests/kernels/test_attention.py): decodes, random token trees,
 causal prefill chunks and all of them in one step, GQA ratios 1-3, scattered block tables.
 
 Without a CUDA device the kernels run in Triton's CPU interpreter, in float32 and float16
@@ -30,7 +30,7 @@ with pytest.MonkeyPatch.context() as mp:  # TRITON_INTERPRET=1 while triton.lang
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.models.config import ModelConfig  # noqa: E402
 from runtime.models.decoder import DecoderModel  # noqa: E402
-from speculators.tree import DraftTree  # noqa: E402
+from runtime.draft_tree import DraftTree  # noqa: E402
 from target_gpu import triton_attention  # noqa: E402
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend  # noqa: E402
 from target_gpu.kv_cache import KVCache  # noqa: E402
@@ -39,7 +39,7 @@ from target_gpu.triton_attention import TritonAttentionBackend  # noqa: E402
 from test_attention import causal_mask, naive_attention, tree_mask  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 HEADS = [(4, 4), (4, 2), (6, 2)]  # (query heads, kv heads): GQA ratios 1, 2, 3
 ON_GPU = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the interpreter's tl.dot is wrong on bf16)")

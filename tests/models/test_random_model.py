@@ -2,14 +2,11 @@
 weights, tokenizer) and runs, and the shapes it claims are Qwen2.5-Coder's."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import make_random_model  # noqa: E402
+from scripts import make_random_model
 
 
 def test_a_small_qwen2_shape_loads_and_generates(tmp_path, monkeypatch):

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import make_prompts  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+from scripts import make_prompts
 
 from speculators.training import default_prompt_file, load_prompts  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = {"Authorization": "Bearer sekret"}
 
 

@@ -33,7 +33,8 @@ from speculators.training import Sample, dense_causal_attention, draft_vocabular
 from speculators.draft_vocab import DraftVocabulary
 from speculators.training_eagle import (eagle_data, evaluate_eagle, greedy_path_length, soft_cross_entropy,
                                        train_eagle)
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from tests.helpers import greedy
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -41,10 +42,6 @@ PROMPTS = [
     "The capital of France is",
 ]
 SMOLLM_LAYERS = (2, 15, 27)  # the default for a 30-layer target: 2, L // 2, L - 3
-
-
-def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def tiny_target(**changes) -> ModelConfig:

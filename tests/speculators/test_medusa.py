@@ -31,7 +31,8 @@ from speculators.base import IGNORE
 from speculators.training import Sample, dense_causal_attention, draft_vocabulary
 from speculators.training_medusa import (evaluate_medusa, medusa_data, medusa_labels, step_acceptance, train_medusa,
                                          tree_acceptance)
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from tests.helpers import greedy
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -39,10 +40,6 @@ PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
 ]
-
-
-def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 # ---- the tree -------------------------------------------------------------------------------------
@@ -258,7 +255,6 @@ def test_proposer_keeps_the_best_nodes_within_budget_and_width():
     assert proposer.propose([ProposalRequest("r", [1], 1, 4, 3, params)]) == [DraftTree([], [])]  # no hidden yet
 
 
-
 def test_validation_tree_acceptance_is_what_verifying_the_proposers_tree_accepts():
     # the proposer's trees for random heads, walked as greedy verification walks them
     # (at each depth the child holding the target's token, if any), against labels drawn
@@ -423,10 +419,7 @@ def test_medusa_needs_heads(engine_f32):
 def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, plain_outputs, tmp_path):
     """scripts/train_medusa.py --init-heads trains the checkpoint's heads (3 of them, not
     the default 4): with a learning rate of 0 it writes them back unchanged."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import train_medusa
+    from scripts import train_medusa
     from speculators.training import save_corpus
     samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
                for p, out in zip(PROMPTS, plain_outputs)]
@@ -474,10 +467,7 @@ def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(pl
 
 
 def test_corpus_only_writes_the_answers_and_trains_nothing(plain_outputs, tmp_path):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import train_medusa
+    from scripts import train_medusa
     from speculators.training import load_corpus
     prompts, corpus, out = tmp_path / "prompts.jsonl", tmp_path / "corpus.jsonl", tmp_path / "out"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))

@@ -26,7 +26,8 @@ import torch
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.speculation import SpeculationController
-from speculators.tree import DraftTree
+from runtime.draft_tree import DraftTree
+from tests.helpers import greedy
 
 ATOL = 1e-4
 RTOL = 1e-5  # float32 logits of ~20 in size: reduction order (thread count, kernels) moves them by ~1e-4
@@ -41,10 +42,6 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a young girl who loved to read books about "
     "dragons, knights and the old kings of the north. One day she",
 ]
-
-
-def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 @pytest.fixture
@@ -82,7 +79,7 @@ def path_tokens(tree: DraftTree, node: int) -> list[int]:
 
 def prefill(engine, token_ids: list[int], name: str) -> Sequence:
     """A sequence whose prompt is in the cache except its last token (the root of a tree)."""
-    seq = Sequence(name, list(token_ids), greedy())
+    seq = Sequence(name, list(token_ids), greedy(40))
     n = len(token_ids) - 1
     engine.block_manager.may_append(seq, n)
     engine.runner.execute([seq], [n], [False])

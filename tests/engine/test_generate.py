@@ -16,7 +16,7 @@ import pytest
 from runtime import LLM, SamplingParams
 from runtime.generate import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
