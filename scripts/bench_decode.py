@@ -9,24 +9,24 @@ generating exactly --max-tokens tokens (HF: min_new_tokens; engine: ignore_eos):
     serving the same requests one after another (its single-stream rate);
   - the engine's median TTFT and TPOT over all requests of each row.
 
-    .venv/bin/python scripts/bench_decode.py
-    .venv/bin/python scripts/bench_decode.py --model /models/qwen2.5-coder-1.5b-instruct-q8_0.gguf --threads 16
+The table goes to stdout and to benchmarks/results/<date>-bench_decode.md (and .json).
+
+    python -m scripts.bench_decode
+    python -m scripts.bench_decode --model /models/qwen2.5-coder-1.5b-instruct-q8_0.gguf --threads 16
+    python -m scripts.bench_decode --max-tokens 8 --repeats 1 --concurrency 1,2 --enforce-eager   # smoke test
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.models.loader import DTYPES, resolve_model  # noqa: E402
+from runtime import LLM
+from runtime.models.loader import DTYPES
+from scripts.harness import (Report, add_results_args, common_prefix, fmt, hf_generate, load_hf, log, median,
+                             ratio, run_engine)
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -79,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (default: %(default)s); "
                    "HF transformers always runs the GGUF dequantized")
     p.add_argument("--enforce-eager", action="store_true", help="the engine's --enforce-eager")
+    add_results_args(p, "bench_decode")
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     if args.max_tokens < 2 or args.repeats < 1 or args.concurrency[0] < 1:
@@ -86,59 +87,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_hf(spec: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25+: no hub kernels (a download)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    source = resolve_model(spec)
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                     torch_dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), torch_dtype=dtype)
-    return model.to(device).eval()
-
-
-def run_hf(model, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """One greedy request of exactly max_tokens tokens -> (output tok/s, output ids)."""
-    ids = torch.tensor([prompt_ids], device=model.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                             pad_token_id=_pad_id(model))
-    tokens = out[0, ids.shape[1]:].tolist()  # .tolist() waits for the device
-    elapsed = time.perf_counter() - start
-    return len(tokens) / elapsed, tokens
-
-
-def _pad_id(model) -> int:
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-    return 0 if eos is None else eos
-
-
-def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int):
-    """All prompts at once -> (output tok/s over all of them, results)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    results = llm.generate(prompts, params, use_tqdm=False)
-    return llm.last_summary.output_tokens_per_s, results
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def median_ms(values) -> str:
-    values = [v for v in values if v is not None]
-    return f"{statistics.median(values) * 1000:.1f}" if values else "n/a"
+    value = median(values)
+    return fmt(None if value is None else value * 1000)
+
+
+def engine_rate(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    """All prompts at once, exactly max_tokens each -> (output tok/s over all of them, results)."""
+    tokens, seconds, results = run_engine(llm, prompts, max_tokens, ignore_eos=True)
+    return tokens / seconds, results
 
 
 def main(argv=None) -> None:
@@ -147,6 +104,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     max_conc = args.concurrency[-1]
+    report = Report(args.name, "bench_decode: this engine against HF transformers generate", "scripts.bench_decode",
+                    argv, args)
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(max_conc, 1),
@@ -155,58 +114,61 @@ def main(argv=None) -> None:
     t1 = time.perf_counter()
     hf = load_hf(args.model, dtype, args.device)
     t2 = time.perf_counter()
-    print(f"loaded: engine {t1 - t0:.1f} s, HF transformers {t2 - t1:.1f} s", file=sys.stderr)
+    log(f"loaded: engine {t1 - t0:.1f} s, HF transformers {t2 - t1:.1f} s")
     prompt_ids = [llm.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(max_conc)]
     warm = min(8, args.max_tokens)
 
     # single stream, HF and engine interleaved so that drifting machine load hits both alike
-    run_hf(hf, prompt_ids[0], warm)
-    run_engine(llm, prompt_ids[:1], warm)
+    hf_generate(hf, prompt_ids[0], warm, exact=True)
+    engine_rate(llm, prompt_ids[:1], warm)
     hf_rates, engine_rates, engine_results = [], [], []
     for r in range(args.repeats):
-        rate, hf_tokens = run_hf(hf, prompt_ids[0], args.max_tokens)
-        hf_rates.append(rate)
-        rate, results = run_engine(llm, prompt_ids[:1], args.max_tokens)
+        n, seconds, hf_tokens = hf_generate(hf, prompt_ids[0], args.max_tokens, exact=True)
+        hf_rates.append(n / seconds)
+        rate, results = engine_rate(llm, prompt_ids[:1], args.max_tokens)
         engine_rates.append(rate)
         engine_results += results
-        print(f"single stream run {r + 1}/{args.repeats}: HF {hf_rates[-1]:.1f} tok/s, "
-              f"engine {engine_rates[-1]:.1f} tok/s", file=sys.stderr)
+        log(f"single stream run {r + 1}/{args.repeats}: HF {hf_rates[-1]:.1f} tok/s, "
+            f"engine {engine_rates[-1]:.1f} tok/s")
     hf_single = statistics.median(hf_rates)
-    rows = [(1, hf_single, statistics.median(engine_rates), engine_results)]
+    rows = [(1, hf_single, statistics.median(engine_rates), engine_results, engine_rates)]
     same = common_prefix(hf_tokens, engine_results[-1].token_ids)
 
     for conc in args.concurrency:
         if conc == 1:
             continue
-        run_engine(llm, prompt_ids[:conc], warm)
+        engine_rate(llm, prompt_ids[:conc], warm)
         rates, all_results = [], []
         for r in range(args.repeats):
-            rate, results = run_engine(llm, prompt_ids[:conc], args.max_tokens)
+            rate, results = engine_rate(llm, prompt_ids[:conc], args.max_tokens)
             rates.append(rate)
             all_results += results
-            print(f"{conc} concurrent run {r + 1}/{args.repeats}: engine {rate:.1f} tok/s", file=sys.stderr)
-        rows.append((conc, hf_single, statistics.median(rates), all_results))
+            log(f"{conc} concurrent run {r + 1}/{args.repeats}: engine {rate:.1f} tok/s")
+        rows.append((conc, hf_single, statistics.median(rates), all_results, rates))
 
-    print(f"\nmodel {args.model}  dtype {args.dtype}  device {llm.engine.device}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  engine weights prepacked: {args.cpu_weight_prepack}")
-    print(f"{args.max_tokens} new tokens per request, greedy, EOS ignored; median of {args.repeats} runs "
-          f"after a warm-up; {min(len(PROMPTS), max_conc)} distinct prompts of "
-          f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens\n")
-    header = ("requests", "HF tok/s", "engine tok/s", "engine/HF", "engine TTFT ms", "engine TPOT ms")
-    table = [header]
-    for conc, hf_rate, engine_rate, results in rows:
+    report.line(f"model {args.model}  dtype {args.dtype}  device {llm.engine.device}  torch {torch.__version__}  "
+                f"threads {torch.get_num_threads()}  engine weights prepacked: {args.cpu_weight_prepack}  "
+                f"quantization {args.quantization}{'  enforce_eager' if args.enforce_eager else ''}")
+    report.line(f"{args.max_tokens} new tokens per request, greedy, EOS ignored; median of {args.repeats} runs "
+                f"after a warm-up; {min(len(PROMPTS), max_conc)} distinct prompts of "
+                f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens")
+    report.line()
+    table = []
+    for conc, hf_rate, rate, results, rates in rows:
         label = "1 (single stream)" if conc == 1 else f"{conc} concurrent"
-        table.append((label, f"{hf_rate:.1f}", f"{engine_rate:.1f}", f"{engine_rate / hf_rate:.2f}x",
+        ttft, tpot = median(r.metrics.ttft_s for r in results), median(r.metrics.tpot_s for r in results)
+        table.append((label, f"{hf_rate:.1f}", f"{rate:.1f}", ratio(rate, hf_rate),
                       median_ms(r.metrics.ttft_s for r in results), median_ms(r.metrics.tpot_s for r in results)))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for n, row in enumerate(table):
-        print("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-              + " |")
-        if n == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    print("\nHF serves concurrent requests one after another, at its single-stream rate.")
-    print(f"greedy agreement, single stream: the first {same} of {args.max_tokens} tokens are identical "
-          f"(HF vs engine, {args.dtype})")
+        report.data.setdefault("rows", []).append(
+            {"requests": conc, "hf_tok_per_s": hf_rate, "engine_tok_per_s": rate, "engine_rounds_tok_per_s": rates,
+             "engine_ttft_s": ttft, "engine_tpot_s": tpot})
+    report.table(("requests", "HF tok/s", "engine tok/s", "engine/HF", "engine TTFT ms", "engine TPOT ms"), table)
+    report.data.update(hf_rounds_tok_per_s=hf_rates, same_prefix_tokens=same)
+    report.line()
+    report.line("HF serves concurrent requests one after another, at its single-stream rate.")
+    report.line(f"greedy agreement, single stream: the first {same} of {args.max_tokens} tokens are identical "
+                f"(HF vs engine, {args.dtype})")
+    report.write()
 
 
 if __name__ == "__main__":

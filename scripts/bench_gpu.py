@@ -23,25 +23,26 @@ time there. For random-weight models (scripts/make_random_model.py) acceptance i
 ~0 and adaptive speculation would switch drafting off, so --fixed-speculation K always drafts K
 tokens: those rows then time the mechanism (draft ms, verify ms), not a speed-up.
 
-    python scripts/bench_gpu.py --model smollm2-135m --draft-model smollm2-135m
-    python scripts/bench_gpu.py --model /tmp/qwen15 --draft-model /tmp/qwen05 --fixed-speculation 4
+Each system gets an engine of its own (CUDA graphs or not, where the draft runs); the engine
+is driven through its public add_request / step, at most N requests in flight. The table goes
+to stdout and to benchmarks/results/<date>-bench_gpu.md (and .json).
+
+    python -m scripts.bench_gpu --model smollm2-135m --draft-model smollm2-135m
+    python -m scripts.bench_gpu --model /tmp/qwen15 --draft-model /tmp/qwen05 --fixed-speculation 4
+    python -m scripts.bench_gpu --device cpu --systems plain,lookahead --concurrency 1,2 --max-tokens 8 \\
+        --repeats 1 --enforce-eager     # smoke test on a machine without a GPU
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from runtime import LLM, SamplingParams  # noqa: E402
-
-from bench_heads import PAPER_TREE, TreeSize  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from runtime import LLM
+from scripts.harness import PAPER_TREE, Report, System, add_results_args, fmt, greedy, log
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -55,28 +56,17 @@ PROMPTS = [
 ]
 
 
-@dataclass(frozen=True)
-class System:
-    key: str
-    label: str
-    speculator: str
-    draft_device: str = "auto"
-    draft_overlap: str = "auto"
-    enforce_eager: bool = False
-    tree: TreeSize | None = None  # EAGLE: depth, top-k and nodes; None: the engine's defaults
-
-
 SYSTEMS = [
     System("plain", "plain", "none"),
-    System("plain-eager", "plain, eager (no CUDA graphs)", "none", enforce_eager=True),
+    System("plain-eager", "plain, eager (no CUDA graphs)", "none", engine={"enforce_eager": True}),
     System("lookahead", "lookahead", "lookahead"),
-    System("draft-cpu-serial", "draft on CPU, serial", "draft", "cpu", "off"),
-    System("draft-cpu-overlap", "draft on CPU, overlapped", "draft", "cpu", "on"),
-    System("draft-gpu", "draft on GPU", "draft", "cuda"),
-    System("eagle-host", "EAGLE head on the host CPU", "eagle", "cpu"),
-    System("eagle-target", "EAGLE head on the target's device", "eagle", "target"),
-    System("eagle-target-wide", f"EAGLE head on the target's device, EAGLE-2's tree ({PAPER_TREE})",
-           "eagle", "target", tree=PAPER_TREE),
+    System("draft-cpu-serial", "draft on CPU, serial", "draft", {"draft_device": "cpu", "draft_overlap": "off"}),
+    System("draft-cpu-overlap", "draft on CPU, overlapped", "draft", {"draft_device": "cpu", "draft_overlap": "on"}),
+    System("draft-gpu", "draft on GPU", "draft", {"draft_device": "cuda"}),
+    System("eagle-host", "EAGLE head on the host CPU", "eagle", {"draft_device": "cpu"}),
+    System("eagle-target", "EAGLE head on the target's device", "eagle", {"draft_device": "target"}),
+    System("eagle-target-wide", f"EAGLE head on the target's device, EAGLE-2's tree ({PAPER_TREE})", "eagle",
+           {"draft_device": "target", **PAPER_TREE.settings()}),
 ]
 
 
@@ -99,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch N: N x K requests per round, at most N running; K > 1 reports the steady "
                         "state (default: %(default)s)")
     p.add_argument("--label", default=None, help="a name for this model pair in the table")
+    p.add_argument("--enforce-eager", action="store_true", help="every engine eager (no CUDA graphs, no compiled "
+                                                                "CPU decode step)")
+    add_results_args(p, "bench_gpu")
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     keys = {s.key: s for s in SYSTEMS}
@@ -114,64 +107,62 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_llm(args, system: System) -> LLM:
-    extra = {}
+    extra = dict(system.settings)
     if system.speculator == "draft":
-        extra = dict(draft_model=args.draft_model, draft_device=system.draft_device,
-                     draft_overlap=system.draft_overlap)
-        if args.draft_cpu_cores and system.draft_device == "cpu":
+        extra["draft_model"] = args.draft_model
+        if args.draft_cpu_cores and extra.get("draft_device") == "cpu":
             extra["draft_cpu_cores"] = args.draft_cpu_cores
     if system.speculator == "eagle":
-        device = args.device if system.draft_device == "target" else system.draft_device
-        extra = dict(eagle_head=args.eagle_head, draft_device=device)
-        if system.tree is not None:
-            extra.update(eagle_depth=system.tree.depth, speculative_tree_width=system.tree.width,
-                         num_speculative_tokens=system.tree.nodes)
+        extra["eagle_head"] = args.eagle_head
+        if extra.get("draft_device") == "target":
+            extra["draft_device"] = args.device
     if args.fixed_speculation is not None:
         extra.update(num_speculative_tokens=args.fixed_speculation, adaptive_speculation=False)
+    engine = {"enforce_eager": args.enforce_eager, **dict(system.engine)}
     return LLM(model=args.model, device=args.device, dtype=args.dtype, speculator=system.speculator, seed=0,
-               max_num_seqs=max(args.concurrency), enforce_eager=system.enforce_eager, **extra)
+               max_num_seqs=max(args.concurrency), **engine, **extra)
 
 
 def timed_round(llm: LLM, prompts: list[str], max_tokens: int, slots: int) -> tuple[float, float | None, float]:
     """(output tok/s, mean acceptance length, ms per engine step) of the prompts, at most
-    `slots` running. With more prompts than slots, tok/s and ms per step are the steady
-    state's: the steps until the queue empties (every slot busy), not the drain after."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    `slots` in flight (a finished request's slot is refilled from the queue). With more
+    prompts than slots, tok/s and ms per step are the steady state's: the steps until the
+    queue empties (every slot busy), not the drain after."""
+    params = greedy(max_tokens, ignore_eos=True)
     engine = llm.engine
-    engine.scheduler.max_num_seqs = slots  # the rest wait for a free slot
+    stats = engine.stats
+    accepted, verify_steps = stats.num_accepted_tokens, stats.num_verify_steps
+    queue, in_flight = list(prompts), set()
     steps: list[tuple[float, int, bool]] = []  # per engine step: (seconds, output tokens, all slots busy)
-    inner = engine.step
-
-    def step():
-        busy = len(engine.scheduler.running) + len(engine.scheduler.waiting) >= slots
-        start = time.perf_counter()
-        outputs = inner()
-        steps.append((time.perf_counter() - start, sum(len(o.new_token_ids) for o in outputs), busy))
-        return outputs
-
-    engine.step = step
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del engine.step  # back to the class's method
-    summary = llm.last_summary
-    acceptance = (1 + summary.num_accepted_tokens / summary.num_verify_steps if summary.num_verify_steps
-                  else None)
+    start = time.perf_counter()
+    while queue or engine.has_unfinished:
+        while queue and len(in_flight) < slots:
+            in_flight.add(engine.add_request(queue.pop(0), params))
+        busy = len(in_flight) + len(queue) >= slots
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        steps.append((time.perf_counter() - step_start, sum(len(o.new_token_ids) for o in outputs), busy))
+        in_flight -= {o.request_id for o in outputs if o.finished}
+    elapsed = time.perf_counter() - start
+    verify_steps = stats.num_verify_steps - verify_steps
+    acceptance = 1 + (stats.num_accepted_tokens - accepted) / verify_steps if verify_steps else None
     if len(prompts) > slots:
         steps = [s for s in steps if s[2]]
         seconds = sum(s[0] for s in steps)
         return sum(s[1] for s in steps) / seconds, acceptance, 1000 * seconds / max(len(steps), 1)
-    return summary.output_tokens_per_s, acceptance, 1000 * summary.elapsed_s / max(len(steps), 1)
+    return sum(s[1] for s in steps) / elapsed, acceptance, 1000 * elapsed / max(len(steps), 1)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     label = args.label or Path(args.model).name
+    report = Report(args.name, "bench_gpu: the target on a GPU, plain and speculating, at several batch sizes",
+                    "scripts.bench_gpu", argv, args)
     rows = []
     for system in args.systems:
         start = time.perf_counter()
         llm = make_llm(args, system)
-        print(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        log(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s")
         for n in args.concurrency:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n * args.requests_per_slot)]
             timed_round(llm, prompts[:n], min(8, args.max_tokens), n)  # warm-up (and graph capture) at this size
@@ -180,23 +171,27 @@ def main(argv=None) -> None:
             acc = [r[1] for r in rounds if r[1] is not None]
             step_ms = statistics.median(r[2] for r in rounds)
             rows.append((system, n, rate, statistics.mean(acc) if acc else None, step_ms))
-            print(f"  batch {n}: {rate:.1f} tok/s", file=sys.stderr)
-        llm.engine.close() if hasattr(llm.engine, "close") else None
+            log(f"  batch {n}: {rate:.1f} tok/s")
+        llm.engine.close()
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     plain = {n: rate for s, n, rate, _, _ in rows if s.key == "plain"}
     steady = f", {args.requests_per_slot} requests per slot (steady state)" if args.requests_per_slot > 1 else ""
-    print(f"\n{label} (draft {args.draft_model or '-'}), {args.dtype}, {args.max_tokens} tokens per request{steady}, "
-          f"torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}"
-          f"{', fixed speculation ' + str(args.fixed_speculation) if args.fixed_speculation is not None else ''}")
-    print("| system | batch | tok/s | vs plain | accept len | ms/step |")
-    print("|---|---|---|---|---|---|")
-    for system, n, rate, acc, step_ms in rows:
-        vs = f"{rate / plain[n]:.2f}x" if n in plain else "-"
-        print(f"| {system.label} | {n} | {rate:.1f} | {vs} | {acc:.2f} | {step_ms:.1f} |" if acc is not None else
-              f"| {system.label} | {n} | {rate:.1f} | {vs} | - | {step_ms:.1f} |")
+    report.line(f"{label} (draft {args.draft_model or '-'}), {args.dtype}, {args.max_tokens} tokens per request"
+                f"{steady}, "
+                f"torch {torch.__version__}, "
+                f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}, target on {args.device}"
+                f"{', fixed speculation ' + str(args.fixed_speculation) if args.fixed_speculation is not None else ''}"
+                f"{', all engines eager' if args.enforce_eager else ''}")
+    report.line()
+    report.table(("system", "batch", "tok/s", "vs plain", "accept len", "ms/step"),
+                 [(system.label, n, f"{rate:.1f}", f"{rate / plain[n]:.2f}x" if n in plain else "-", fmt(acc, ".2f"),
+                   f"{step_ms:.1f}") for system, n, rate, acc, step_ms in rows])
+    report.data["rows"] = [{"system": system.key, "label": system.label, "batch": n, "tok_per_s": rate,
+                            "acceptance_length": acc, "ms_per_step": step_ms}
+                           for system, n, rate, acc, step_ms in rows]
+    report.write()
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Heads are trained here first when their directories are missing (scripts/train_medusa.py and
 scripts/train_eagle.py, self-distillation sharing their corpora: for the default model the
-answers shipped in speculators/data (greedy, sampled and varied), else written from the shipped
+answers shipped in training/data (greedy, sampled and varied), else written from the shipped
 training prompts;
---train-minutes each). Then, on held-out chat prompts (speculators/data/heldout_prompts.jsonl,
+--train-minutes each). Then, on held-out chat prompts (training/data/heldout_prompts.jsonl,
 none of them seen in training), greedy, single stream, every system in turn for --repeats
 interleaved rounds after a warm-up, the median round shown:
 
@@ -27,49 +27,31 @@ length is tokens per verify step (accepted drafts + the target's own token), in 
 rounds (adaptive speculation on: the controller drafts less where drafting does not pay)
 and, in one more pass with it off ("fixed"), with the whole configured tree every step:
 what the drafts themselves are worth. Targets after CPU training: EAGLE-2 acceptance
-length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain.
+length >= 2.5, Medusa >= 1.8, EAGLE-2 >= 1.8x our plain. One engine serves all our rows:
+before a row runs, the engine switches to its speculator, head, head device and tree with
+`update_speculation`. The table goes to stdout and to
+benchmarks/results/<date>-bench_heads.md (and .json).
 
-    .venv/bin/python scripts/bench_heads.py                               # trains (~40 min) then measures
-    .venv/bin/python scripts/bench_heads.py --limit 4 --max-tokens 32 --repeats 1   # smoke test
+    python -m scripts.bench_heads                               # trains (~40 min) then measures
+    python -m scripts.bench_heads --limit 4 --max-tokens 32 --repeats 1   # smoke test (trains missing heads)
+    python -m scripts.bench_heads --systems lookahead --limit 1 --max-tokens 16 --repeats 1 --enforce-eager
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import statistics
-import sys
 from pathlib import Path
-from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
+from runtime import LLM
+from runtime.models.loader import DTYPES
+from scripts.harness import (PAPER_TREE, Measure, Report, Speculation, System, add_results_args,
+                             hf_one_at_a_time, hf_prompt_ids, interleaved, load_hf, log, one_at_a_time, prompt_set,
+                             ratio, run_engine)
+from speculators import registry
 
-from runtime import LLM  # noqa: E402
-from speculators import registry  # noqa: E402
-from speculators.eagle import DEFAULT_DEPTH as DEFAULT_EAGLE_DEPTH  # noqa: E402
 DEFAULT_SPECULATIVE_TOKENS = {s.name: s.num_speculative_tokens for s in registry.speculators().values()}
-from runtime.speculation import SpeculationController  # noqa: E402
-from runtime.models.loader import DTYPES, load_tokenizer, resolve_model  # noqa: E402
-from speculators.training import default_prompt_file, load_prompts  # noqa: E402
-
-from bench_decode import load_hf  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from bench_spec import Measure, System, add_metrics, print_table, ratio, run_engine, run_hf, use_system  # noqa: E402
-
-
-class TreeSize(NamedTuple):
-    depth: int
-    width: int
-    nodes: int
-
-    def __str__(self) -> str:
-        return f"depth {self.depth}, top-{self.width}, {self.nodes} nodes"
-
-
-# EAGLE-2's published tree for GPU targets (6 expansion steps, top-10, 60 verified nodes), against
-# the engine's CPU-sized default (runtime/config.py)
-PAPER_TREE = TreeSize(depth=6, width=10, nodes=60)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "eagle3-lookahead, lookahead (default: all); only their heads are trained")
     p.add_argument("--fixed-rows", action="store_true",
                    help="also time every speculating row with adaptive speculation off (the whole tree every step)")
+    p.add_argument("--enforce-eager", action="store_true", help="the engine's --enforce-eager")
+    add_results_args(p, "bench_heads")
     return p.parse_args(argv)
 
 
@@ -114,45 +98,52 @@ def ensure_heads(args) -> None:
     common = (["--model", args.model, "--minutes", str(args.train_minutes), "--device", args.device]
               + (["--corpus", args.corpus] if args.corpus else []))
     if selected(args, "medusa-") and not Path(args.medusa_heads).exists():
-        import train_medusa
-        print(f"training Medusa heads -> {args.medusa_heads}", file=sys.stderr)
+        from scripts import train_medusa
+        log(f"training Medusa heads -> {args.medusa_heads}")
         train_medusa.main(common + ["--out", args.medusa_heads])
-    import train_eagle
     if (selected(args, "eagle-chain-") or selected(args, "eagle-tree-")) and not Path(args.eagle_head).exists():
-        print(f"training the EAGLE head -> {args.eagle_head}", file=sys.stderr)
+        from scripts import train_eagle
+        log(f"training the EAGLE head -> {args.eagle_head}")
         train_eagle.main(common + ["--out", args.eagle_head])
     wants_eagle3 = any(selected(args, f"eagle3-{kind}-") for kind in ("chain", "tree", "lookahead"))
     if args.eagle3_head != "none" and wants_eagle3 and not Path(args.eagle3_head).exists():
-        print(f"training the EAGLE-3 head -> {args.eagle3_head}", file=sys.stderr)
+        from scripts import train_eagle
+        log(f"training the EAGLE-3 head -> {args.eagle3_head}")
         train_eagle.main(common + ["--out", args.eagle3_head, "--eagle3", "--unroll", "3", "--steps", "2400"])
 
 
-def make_systems(args, head_devices: list[str]) -> list[tuple[System, str | None]]:
-    """(system, head device) pairs; the device is None for systems without heads. EAGLE-3
-    systems' keys start with "eagle3"."""
-    rows = [(System("hf", "HF plain"), None), (System("plain", "ours plain", "none"), None)]
+def make_systems(args, head_devices: list[str]) -> list[System]:
+    """Every row asked for; a head row's settings name its head and the device it runs on."""
+    rows = [System("hf", "HF plain"), System("plain", "ours plain", "none")]
     for device in head_devices:
         where = f" (heads on {device})"
-        rows += [(System(f"medusa-{device}", "ours Medusa" + where, "medusa", None), device),
-                 (System(f"eagle-chain-{device}", "ours EAGLE chain" + where, "eagle", 1), device),
-                 (System(f"eagle-tree-{device}", f"ours EAGLE-2 tree (top-{args.eagle_width})" + where, "eagle",
-                         args.eagle_width), device)]
+        eagle = {"draft_device": device, "eagle_head": args.eagle_head}
+        eagle3 = {"draft_device": device, "eagle_head": args.eagle3_head}
+        rows += [System(f"medusa-{device}", "ours Medusa" + where, "medusa", {"draft_device": device}),
+                 System(f"eagle-chain-{device}", "ours EAGLE chain" + where, "eagle",
+                        {**eagle, "speculative_tree_width": 1}),
+                 System(f"eagle-tree-{device}", f"ours EAGLE-2 tree (top-{args.eagle_width})" + where, "eagle",
+                        {**eagle, "speculative_tree_width": args.eagle_width})]
         if args.eagle3_head != "none":
-            rows += [(System(f"eagle3-chain-{device}", "ours EAGLE-3 chain" + where, "eagle", 1), device),
-                     (System(f"eagle3-tree-{device}", f"ours EAGLE-3 tree (top-{args.eagle_width})" + where,
-                             "eagle", args.eagle_width), device),
-                     (System(f"eagle3-wide-{device}", f"ours EAGLE-3 tree, EAGLE-2's size ({PAPER_TREE})" + where,
-                             "eagle", PAPER_TREE.width, num_tokens=PAPER_TREE.nodes, eagle_depth=PAPER_TREE.depth),
-                      device),
-                     (System(f"eagle3-lookahead-{device}", "ours EAGLE-3 tree + lookahead" + where,
-                             "eagle+lookahead", None), device)]
-    rows.append((System("lookahead", "ours lookahead (width 3)", "lookahead", 3), None))
-    rows = [(system, device) for system, device in rows if selected(args, system.key)]
+            rows += [System(f"eagle3-chain-{device}", "ours EAGLE-3 chain" + where, "eagle",
+                            {**eagle3, "speculative_tree_width": 1}),
+                     System(f"eagle3-tree-{device}", f"ours EAGLE-3 tree (top-{args.eagle_width})" + where, "eagle",
+                            {**eagle3, "speculative_tree_width": args.eagle_width}),
+                     System(f"eagle3-wide-{device}", f"ours EAGLE-3 tree, EAGLE-2's size ({PAPER_TREE})" + where,
+                            "eagle", {**eagle3, **PAPER_TREE.settings()}),
+                     System(f"eagle3-lookahead-{device}", "ours EAGLE-3 tree + lookahead" + where,
+                            "eagle+lookahead", eagle3)]
+    rows.append(System("lookahead", "ours lookahead (width 3)", "lookahead", {"speculative_tree_width": 3}))
+    rows = [system for system in rows if selected(args, system.key)]
     if args.fixed_rows:
-        rows += [(dataclasses.replace(system, key=system.key + "-fixed", label=system.label + ", fixed",
-                                      proposers={}, controller=SpeculationController(adaptive=False)), device)
-                 for system, device in rows if system.speculator not in (None, "none")]
+        rows += [fixed(system, key=system.key + "-fixed", label=system.label + ", fixed")
+                 for system in rows if system.speculates]
     return rows
+
+
+def fixed(system: System, **changes) -> System:
+    """The system with adaptive speculation off: every step drafts the whole tree."""
+    return system.replace(settings={**dict(system.settings), "adaptive_speculation": False}, **changes)
 
 
 def main(argv=None) -> None:
@@ -162,79 +153,71 @@ def main(argv=None) -> None:
     ensure_heads(args)
     head_devices = ([d.strip() for d in args.head_devices.split(",")] if args.head_devices
                     else ["cpu"] + ([args.device] if args.device != "cpu" else []))
-    prompts = load_prompts(default_prompt_file("heldout"), args.limit)
+    report = Report(args.name, "bench_heads: Medusa and EAGLE heads against plain decoding, lookahead and HF",
+                    "scripts.bench_heads", argv, args)
+    prompts = prompt_set("heldout", args.limit)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=0, medusa_heads=args.medusa_heads,
-              eagle_head=args.eagle_head, draft_quantization=args.draft_quantization)
+              eagle_head=args.eagle_head, draft_quantization=args.draft_quantization, adaptive_speculation=True,
+              enforce_eager=args.enforce_eager)
     hf = load_hf(args.model, DTYPES[args.dtype], args.device)
-    hf_tok = load_tokenizer(resolve_model(args.model))
     eos_ids = list(llm.engine.model_config.eos_token_ids)
-    hf_ids = [list(hf_tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+    hf_ids, _ = hf_prompt_ids(args.model, prompts)
     systems = make_systems(args, head_devices)
+    speculation = Speculation(llm.engine, systems + [fixed(s) for s in systems if s.speculates])
 
-    def select(system: System, device: str | None) -> None:
-        llm.engine.config.draft_device = device or "auto"
-        llm.engine.config.eagle_head = args.eagle3_head if system.key.startswith("eagle3") else args.eagle_head
-        llm.engine.config.num_speculative_tokens = system.num_tokens
-        llm.engine.config.eagle_depth = system.eagle_depth or DEFAULT_EAGLE_DEPTH  # read as the proposer is built
-        use_system(llm, system, True)
-
-    for system, device in systems:  # warm-up (and build each system's proposers on its device)
+    def warm(system: System) -> None:  # (and build each system's proposers on its device)
         if system.is_hf:
-            run_hf(hf, hf_ids[0], 16, eos_ids, 0)
+            hf_one_at_a_time(hf, hf_ids[:1], 16, eos_ids=eos_ids)
         else:
-            select(system, device)
+            speculation.use(system)
             run_engine(llm, prompts[:1], 16)
-    measures = {s.key: Measure() for s, _ in systems}
-    for r in range(args.repeats):
-        for system, device in systems:
-            m = measures[system.key]
-            tokens = seconds = 0
-            if system.is_hf:
-                for ids in hf_ids:
-                    n, sec, _ = run_hf(hf, ids, args.max_tokens, eos_ids, 0)
-                    tokens, seconds = tokens + n, seconds + sec
-            else:
-                select(system, device)
-                for prompt in prompts:
-                    n, sec, results = run_engine(llm, [prompt], args.max_tokens)
-                    tokens, seconds = tokens + n, seconds + sec
-                    if system.speculator != "none":
-                        add_metrics(m, results)
-            m.rounds.append((tokens, seconds))
-            print(f"round {r + 1}/{args.repeats} {system.label:44s} {tokens:5d} tokens {seconds:7.2f} s "
-                  f"{tokens / seconds:7.1f} tok/s", file=sys.stderr)
 
-    fixed = {}  # system key -> acceptance length with every step's whole tree (adaptive off)
-    for system, device in systems:
+    def run(system: System, m: Measure) -> None:
+        if system.is_hf:
+            m.add_round(*hf_one_at_a_time(hf, hf_ids, args.max_tokens, eos_ids=eos_ids))
+            return
+        speculation.use(system)
+        tokens, seconds, results = one_at_a_time(llm, prompts, args.max_tokens)
+        m.add_round(tokens, seconds)
+        if system.speculates:
+            m.add_metrics(results)
+
+    measures = interleaved(systems, args.repeats, run, warm=warm)
+
+    fixed_lengths = {}  # system key -> acceptance length with every step's whole tree (adaptive off)
+    for system in systems:
         if system.key.endswith("-fixed"):  # timed that way already
-            fixed[system.key] = measures[system.key].acceptance_length
-        elif system.speculator not in (None, "none"):
-            select(system, device)
-            llm.engine.spec_controller = SpeculationController(adaptive=False)
+            fixed_lengths[system.key] = measures[system.key].acceptance_length
+        elif system.speculates:
+            speculation.use(fixed(system))
             m = Measure()
-            add_metrics(m, run_engine(llm, prompts, args.max_tokens)[2])
-            fixed[system.key] = m.acceptance_length
+            m.add_metrics(run_engine(llm, prompts, args.max_tokens)[2])
+            fixed_lengths[system.key] = m.acceptance_length
 
-    print(f"\n### Medusa and EAGLE heads, {datetime.date.today().isoformat()}\n")
-    print(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}"
-          f"{'  heads int8' if args.draft_quantization == 'int8' else ''}")
-    print(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one at a "
-          f"time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), then "
-          f"off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE unless the row says, "
-          f"{DEFAULT_SPECULATIVE_TOKENS['eagle'] + DEFAULT_SPECULATIVE_TOKENS['lookahead']} with lookahead, "
-          f"{DEFAULT_SPECULATIVE_TOKENS['medusa']} for Medusa, every step)\n")
+    report.line(f"### Medusa and EAGLE heads, {datetime.date.today().isoformat()}")
+    report.line()
+    report.line(f"model {args.model}  dtype {args.dtype}  target on {llm.engine.device}  torch {torch.__version__}  "
+                f"threads {torch.get_num_threads()}  heads {args.medusa_heads}, {args.eagle_head}, {args.eagle3_head}"
+                f"{'  heads int8' if args.draft_quantization == 'int8' else ''}"
+                f"{'  enforce_eager' if args.enforce_eager else ''}")
+    report.line(f"greedy, at most {args.max_tokens} new tokens per request, {len(prompts)} held-out chat prompts one "
+                f"at a time, median of {args.repeats} rounds after a warm-up; adaptive speculation on (accept len), "
+                f"then off (fixed: {DEFAULT_SPECULATIVE_TOKENS['eagle']} nodes for EAGLE unless the row says, "
+                f"{DEFAULT_SPECULATIVE_TOKENS['eagle'] + DEFAULT_SPECULATIVE_TOKENS['lookahead']} with lookahead, "
+                f"{DEFAULT_SPECULATIVE_TOKENS['medusa']} for Medusa, every step)")
+    report.line()
     plain, hf_rate = measures["plain"].rate, measures["hf"].rate
     rows = []
-    for system, _ in systems:
+    for system in systems:
         m = measures[system.key]
-        length, fixed_length = m.acceptance_length, fixed.get(system.key)
         rows.append((system.label, f"{m.rate:.1f}", ratio(m.rate, plain), ratio(m.rate, hf_rate),
-                     "-" if length is None else f"{length:.2f}", "-" if fixed_length is None else f"{fixed_length:.2f}"))
-    print_table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len", "fixed"), rows)
-    rates = {k: statistics.median(n / s for n, s in m.rounds) for k, m in measures.items()}
+                     "-" if m.acceptance_length is None else f"{m.acceptance_length:.2f}",
+                     "-" if fixed_lengths.get(system.key) is None else f"{fixed_lengths[system.key]:.2f}"))
+        report.data.setdefault("rows", []).append({"system": system.key, "label": system.label, **m.summary(),
+                                                   "fixed_acceptance_length": fixed_lengths.get(system.key)})
+    report.table(("system", "tok/s", "vs ours plain", "vs HF plain", "accept len", "fixed"), rows)
     where = head_devices[0]
-    print()
+    report.line()
     for key, name, targets in (("eagle-tree", "EAGLE-2 (EAGLE head, trees)", " (targets: >= 2.5, >= 1.8x)"),
                                ("medusa", "Medusa", " (target: >= 1.8)"),
                                ("eagle3-tree", "EAGLE-3 head, EAGLE-2 trees", ""),
@@ -242,8 +225,10 @@ def main(argv=None) -> None:
                                ("eagle3-lookahead", "EAGLE-3 trees + lookahead", "")):
         m = measures.get(f"{key}-{where}")
         if m is not None:
-            print(f"{name}: acceptance length {m.acceptance_length or 0:.2f}, "
-                  f"fixed {fixed[f'{key}-{where}'] or 0:.2f}, {rates[f'{key}-{where}'] / plain:.2f}x our plain{targets}")
+            report.line(f"{name}: acceptance length {m.acceptance_length or 0:.2f}, "
+                        f"fixed {fixed_lengths[f'{key}-{where}'] or 0:.2f}, {m.rate / plain:.2f}x our plain{targets}")
+    report.write()
+    llm.engine.close()
 
 
 if __name__ == "__main__":

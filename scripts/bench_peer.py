@@ -22,40 +22,36 @@ ours / llama.cpp. Rows, per --model and per --quantization mode of ours:
 The prompts are text for ours (and for llama-speculative-simple); llama-bench and
 llama-batched-bench decode random tokens after a context of the same length. Timings exclude
 model loading and prefill. Ours is warmed up once per row; the llama.cpp tools warm up
-themselves. The table and the machine (git commit, CPU, cores, torch) go to stdout and to
-results/bench_peer-<date>.md.
+themselves. The table goes to stdout and, with the machine (git commit, CPU, cores, torch), to
+benchmarks/results/<date>-bench_peer.md (and .json; --name, --output).
 
-    .venv/bin/python scripts/bench_peer.py --rounds 3
-    .venv/bin/python scripts/bench_peer.py --quantization auto,auto+eager,none+eager --max-tokens 128
-    .venv/bin/python scripts/bench_peer.py --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
+    python -m scripts.bench_peer --rounds 3
+    python -m scripts.bench_peer --quantization auto,auto+eager,none+eager --max-tokens 128
+    python -m scripts.bench_peer --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
         --speculative --target /models/qwen2.5-1.5b-q8_0.gguf --draft /models/qwen2.5-0.5b-q8_0.gguf
+    python -m scripts.bench_peer --rounds 1 --max-tokens 8 --quantization auto+eager --skip-batch   # smoke test
 
-scripts/build_llama_cpp.sh builds the llama.cpp tools.
+scripts/build_llama_cpp.sh builds the llama.cpp tools; without them the llama.cpp column reads n/a.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import shlex
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.models.loader import QUANTIZATIONS, resolve_model  # noqa: E402
-from runtime.models.quant_linear import linear_kernels  # noqa: E402
-from results import machine  # noqa: E402  (scripts/results.py)
+from runtime import LLM, SamplingParams
+from runtime.models.loader import QUANTIZATIONS, resolve_model
+from runtime.models.quant_linear import linear_kernels
+from scripts.harness import Report, add_results_args, draft_backend, log, markdown_table
 
 DEFAULT_BIN = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/heterospec/llama.cpp")) / "build/bin"
 BATCH = 8
@@ -97,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-backend", default="auto", choices=("auto", "ipex", "torch"),
                    help="speculation: ours' --draft-backend (default: %(default)s)")
     p.add_argument("--output", type=Path, default=None,
-                   help="markdown report (default: results/bench_peer-<date>.md)")
+                   help="markdown report, the .json beside it (default: benchmarks/results/<date>-NAME.md)")
+    add_results_args(p, "bench_peer")
     args = p.parse_args(argv)
     args.model = args.model or ["smollm2-135m"]
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
@@ -109,8 +106,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-tokens must be >= 2, --rounds >= 1 and --threads >= 1")
     if args.speculative and not (args.target and args.draft):
         p.error("--speculative needs --target and --draft")
-    if args.output is None:
-        args.output = ROOT / "results" / f"bench_peer-{datetime.date.today().isoformat()}.md"
     return args
 
 
@@ -215,25 +210,13 @@ def fmt(x: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    header = ("row", "model", "llama.cpp tok/s", "ours tok/s", "ours/llama.cpp", "ours: quantization")
-    lines = [header]
+    lines = []
     for r in rows:
         a, b = med(r.llama), med(r.ours)
         ratio = f"{b / a:.2f}x" if a and b else "n/a"
         lines.append((r.label, r.model, fmt(a), fmt(b), ratio, r.quantization))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("| " + " | ".join(c.ljust(w) if i in (0, 1, 5) else c.rjust(w)
-                                     for i, (c, w) in enumerate(zip(line, widths))) + " |")
-        if k == 0:
-            out.append("|" + "|".join("-" * (w + 1) + (":" if i in (2, 3, 4) else "-")
-                                      for i, w in enumerate(widths)) + "|")
-    return "\n".join(out)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    return markdown_table(("row", "model", "llama.cpp tok/s", "ours tok/s", "ours/llama.cpp", "ours: quantization"),
+                          lines, "llrrrl")
 
 
 # ---------------------------------------------------------------- main
@@ -242,7 +225,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     bin_dir = args.llama_cpp_bin
-    info = machine()
+    if not (bin_dir / "llama-bench").is_file():
+        log(f"no llama.cpp tools in {bin_dir}: the llama.cpp column reads n/a (scripts/build_llama_cpp.sh builds them)")
+    report = Report(args.name, "bench_peer: this engine against llama.cpp", "scripts.bench_peer", argv, args)
     load_start = os.getloadavg()
     started = time.time()
     n = args.max_tokens
@@ -296,7 +281,7 @@ def main(argv=None) -> None:
                       enforce_eager=q.endswith("+eager"))
             row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
                       f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}, backend "
-                      f"{llm.engine.proposers['draft'].worker.backend}")
+                      f"{draft_backend(llm.engine)}")
             llm.generate([prompt], sp, use_tqdm=False)
             group.append((row, llm))
             rows.append(row)
@@ -319,6 +304,10 @@ def main(argv=None) -> None:
     for rnd in range(args.rounds):
         for label, run_llama, run_ours, group in jobs:
             try:
+                tool = ("llama-speculative-simple" if label.startswith("draft") else
+                        "llama-bench" if label.endswith("batch 1") else "llama-batched-bench")
+                if not (bin_dir / tool).is_file():
+                    raise FileNotFoundError(f"no {tool} in {bin_dir} (scripts/build_llama_cpp.sh builds it)")
                 rate = run_llama()
                 for row, _ in group:
                     row.llama.append(rate)
@@ -350,27 +339,15 @@ def main(argv=None) -> None:
     if args.speculative and notes:
         details.append("speculation: " + "; ".join(dict.fromkeys(notes)))
     details += [f"error ({r.label}, {r.model}): {r.error}" for r in rows if r.error]
-    command = shlex.join([".venv/bin/python", "scripts/bench_peer.py", *(sys.argv[1:] if argv is None else argv)])
-    print("\n" + text + "\n")
+    report.line(text)
+    report.line()
     for d in details:
-        print(d)
-
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    report = [
-        f"# bench_peer: this engine against llama.cpp ({datetime.datetime.now().isoformat(timespec='seconds')})",
-        "",
-        f"- command: `{command}`",
-        f"- git commit: {info['commit']}",
-        f"- CPU: {info['cpu']}; cores: {info['cores']}",
-        f"- torch {info['torch']}",
-        "",
-        text,
-        "",
-        *[f"- {d}" for d in details],
-        "",
-    ]
-    args.output.write_text("\n".join(report))
-    log(f"wrote {args.output}")
+        report.line(f"- {d}")
+    report.data["rows"] = [{"row": r.label, "model": r.model, "quantization": r.quantization,
+                            "llama_cpp_tok_per_s": med(r.llama), "ours_tok_per_s": med(r.ours),
+                            "llama_cpp_rounds": r.llama, "ours_rounds": r.ours, "error": r.error or None}
+                           for r in rows]
+    report.write(args.output)
 
 
 if __name__ == "__main__":

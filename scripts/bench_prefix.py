@@ -13,26 +13,25 @@ request so that machine noise hits all rows alike:
 For each: median TTFT and prompt tokens computed per request over requests 2..N (the
 first is the same cold start for everyone), and the ratio to caching off.
 
-    .venv/bin/python scripts/bench_prefix.py                 # default model, bf16, 8 requests, ~1.2k-token system prompt
-    .venv/bin/python scripts/bench_prefix.py --requests 16 --system-tokens 3000
+The table goes to stdout and to benchmarks/results/<date>-bench_prefix.md (and .json).
+
+    python -m scripts.bench_prefix                 # default model, bf16, 8 requests, ~1.2k-token system prompt
+    python -m scripts.bench_prefix --requests 16 --system-tokens 3000
+    python -m scripts.bench_prefix --requests 2 --system-tokens 200 --max-tokens 2 --enforce-eager   # smoke test
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from runtime import SamplingParams  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
-from runtime.models.loader import DEFAULT_MODEL  # noqa: E402
-from speculators.training import default_prompt_file, load_prompts  # noqa: E402
+from runtime import SamplingParams
+from runtime.engine import LLMEngine
+from runtime.models.loader import DEFAULT_MODEL
+from scripts.harness import Report, add_results_args, load_hf, log, prompt_set
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=1200, help="least system prompt length (default: 1200)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: 8)")
     p.add_argument("--no-hf", action="store_true", help="leave out the HF transformers row")
+    p.add_argument("--enforce-eager", action="store_true", help="the engines' --enforce-eager")
+    add_results_args(p, "bench_prefix")
     return p.parse_args(argv)
 
 
@@ -50,7 +51,7 @@ def system_prompt(engine: LLMEngine, min_tokens: int) -> str:
     """A long, realistic system prompt: instructions, then worked examples from the
     training prompts, until it has at least min_tokens tokens."""
     text = "You are a helpful assistant. Answer in the style of the examples below.\n\n"
-    for i, prompt in enumerate(load_prompts(default_prompt_file("train"))):
+    for i, prompt in enumerate(prompt_set("train")):
         question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         text += f"Example {i + 1}. Question: {question}\nAnswer: (a short, precise answer)\n\n"
         if len(engine.tokenize(text)) >= min_tokens:
@@ -59,7 +60,7 @@ def system_prompt(engine: LLMEngine, min_tokens: int) -> str:
 
 
 def questions(n: int) -> list[str]:
-    prompts = load_prompts(default_prompt_file("heldout"))
+    prompts = prompt_set("heldout")
     return [(p if isinstance(p, str) else p[-1]["content"]) for p in (prompts * (1 + n // len(prompts)))[:n]]
 
 
@@ -82,21 +83,14 @@ def hf_ttft(model, ids: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def load_hf(engine: LLMEngine):
-    from transformers import AutoModelForCausalLM
-    from runtime.models.loader import resolve_model
-    os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25+: no hub kernels (a download)
-    path = resolve_model(engine.config.model).path
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    directory = path.parent if path.suffix == ".gguf" else path
-    return AutoModelForCausalLM.from_pretrained(str(directory), torch_dtype=engine.dtype, **kwargs).eval()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cached = LLMEngine(model=args.model, dtype=args.dtype, device="cpu", seed=0)
-    uncached = LLMEngine(model=args.model, dtype=args.dtype, device="cpu", seed=0, enable_prefix_caching=False)
-    hf = None if args.no_hf else load_hf(cached)
+    report = Report(args.name, "bench_prefix: TTFT with a shared system prompt, prefix caching on and off",
+                    "scripts.bench_prefix", argv, args)
+    cached = LLMEngine(model=args.model, dtype=args.dtype, device="cpu", seed=0, enforce_eager=args.enforce_eager)
+    uncached = LLMEngine(model=args.model, dtype=args.dtype, device="cpu", seed=0, enable_prefix_caching=False,
+                         enforce_eager=args.enforce_eager)
+    hf = None if args.no_hf else load_hf(args.model, cached.dtype)
     system = system_prompt(cached, args.system_tokens)
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
              for q in questions(args.requests)]
@@ -115,24 +109,31 @@ def main(argv=None) -> int:
         rows["caching off"].append((ttft_off, computed_off))
         if hf is not None:
             rows["HF transformers"].append((hf_ttft(hf, cached.tokenize(chat)), n))
-        print(f"request {i + 1}: {n} prompt tokens; TTFT on {ttft_on * 1000:.0f} ms ({computed_on} computed), "
-              f"off {ttft_off * 1000:.0f} ms", file=sys.stderr)
+        log(f"request {i + 1}: {n} prompt tokens; TTFT on {ttft_on * 1000:.0f} ms ({computed_on} computed), "
+            f"off {ttft_off * 1000:.0f} ms")
 
-    later = slice(1, None)  # the first request is the cold start in every row
+    later = slice(1, None) if args.requests > 1 else slice(None)  # the first request is the cold start in every row
     off = statistics.median(t for t, _ in rows["caching off"][later])
-    print(f"\n{args.model}, {cached.dtype}, CPU ({torch.get_num_threads()} threads); {args.requests} requests, "
-          f"prompt {min(num_prompt)}-{max(num_prompt)} tokens (system prompt shared), {args.max_tokens} tokens each; "
-          f"medians over requests 2..{args.requests}\n")
-    print(f"| {'system':<16} | {'TTFT ms':>8} | {'vs caching off':>14} | {'prompt tokens computed':>22} |")
-    print(f"|{'-' * 18}|{'-' * 10}|{'-' * 16}|{'-' * 24}|")
+    first = 2 if args.requests > 1 else 1
+    report.line(f"{args.model}, {cached.dtype}, CPU ({torch.get_num_threads()} threads); {args.requests} requests, "
+                f"prompt {min(num_prompt)}-{max(num_prompt)} tokens (system prompt shared), {args.max_tokens} tokens "
+                f"each; medians over requests {first}..{args.requests}")
+    report.line()
+    table = []
     for name, values in rows.items():
         if not values:
             continue
         ttft = statistics.median(t for t, _ in values[later])
         computed = statistics.median(c for _, c in values[later])
-        print(f"| {name:<16} | {ttft * 1000:>8.1f} | {ttft / off:>13.2f}x | {computed:>22.0f} |")
+        table.append((name, f"{ttft * 1000:.1f}", f"{ttft / off:.2f}x", f"{computed:.0f}"))
+        report.data.setdefault("rows", []).append({"system": name, "ttft_s": ttft, "prompt_tokens_computed": computed,
+                                                   "per_request": [{"ttft_s": t, "computed": c} for t, c in values]})
+    report.table(("system", "TTFT ms", "vs caching off", "prompt tokens computed"), table)
     hits = cached.stats.prefix_cache_hit_rate or 0.0
-    print(f"\nprefix cache hit rate (all requests, caching on): {hits:.2f}")
+    report.data["prefix_cache_hit_rate"] = hits
+    report.line()
+    report.line(f"prefix cache hit rate (all requests, caching on): {hits:.2f}")
+    report.write()
     for engine in (cached, uncached):
         engine.close()
     return 0

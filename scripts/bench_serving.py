@@ -5,7 +5,8 @@ arrive as a Poisson process (exponential gaps, seeded by --seed, the same for ev
 setting; `inf` sends them all at once). Measured per request, on the client: TTFT (send to
 the first non-empty text chunk), TPOT ((e2e - TTFT) / (completion tokens - 1), the tokens
 from the usage chunk) and e2e latency. One markdown table goes to stdout (progress to
-stderr), and a plot of TTFT and TPOT against the request rate to --plot.
+stderr) and to benchmarks/results/<date>-bench_serving.md (and .json), and a plot of TTFT
+and TPOT against the request rate to the .png beside them (or --plot).
 
 Prompts: a JSONL file, one {"prompt": str} (sent to /v1/completions) or {"messages": [...]}
 (sent to /v1/chat/completions) a line; default: the package's held-out prompts. Every run
@@ -16,10 +17,11 @@ seen them before in every run after the first.
 `default` sends no such field. A server that answers 400 to the field is benchmarked
 without it, and the row says so.
 
-    .venv/bin/python -m runtime.serve --port 8000 &
-    .venv/bin/python scripts/bench_serving.py
-    .venv/bin/python scripts/bench_serving.py --request-rates 1,4,inf --num-requests 64 --speculation none,lookahead \\
+    python -m runtime.serve --port 8000 &
+    python -m scripts.bench_serving
+    python -m scripts.bench_serving --request-rates 1,4,inf --num-requests 64 --speculation none,lookahead \\
         --save-json bench_serving.json
+    python -m scripts.bench_serving --request-rates inf --num-requests 2 --max-tokens 4 --warmup 0   # smoke test
 """
 from __future__ import annotations
 
@@ -33,12 +35,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from speculators.training import default_prompt_file, load_prompts  # noqa: E402
+from scripts.harness import Report, add_results_args, load_prompt_file, prompt_file, save_plot
 
 PERCENTILES = (50, 90, 99)
 METRICS = (("ttft", "ms", 1000.0), ("tpot", "ms", 1000.0), ("e2e", "s", 1.0))  # name, unit, seconds -> unit
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     p.add_argument("--model", default="smollm2-135m", help="the served model name (default: %(default)s)")
-    p.add_argument("--prompts", default=str(default_prompt_file("heldout")),
+    p.add_argument("--prompts", default=str(prompt_file("heldout")),
                    help="JSONL prompt file (default: the package's held-out prompts)")
     p.add_argument("--request-rates", default="1,2,4,inf",
                    help="comma-separated requests/s, inf = all at once (default: %(default)s)")
@@ -60,8 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated speculation methods sent per request, e.g. none,lookahead; "
                         "default = no field (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests per speculation setting (default: 2)")
-    p.add_argument("--plot", default="bench_serving.png", help="PNG file; empty for none (default: %(default)s)")
-    p.add_argument("--save-json", default=None, help="write the per-request records and the summary here")
+    p.add_argument("--plot", default=None, help="PNG file; empty for none (default: the .png beside the results "
+                                                "files)")
+    p.add_argument("--save-json", default=None, help="also write the per-request records and the summary here")
+    add_results_args(p, "bench_serving")
     args = p.parse_args(argv)
     try:
         args.request_rates = [float(rate) for rate in args.request_rates.split(",")]
@@ -260,11 +262,11 @@ async def benchmark(args: argparse.Namespace, prompts: list) -> tuple[list[dict]
 
 # ---- output -----------------------------------------------------------------------------------
 
-def print_table(rows: list[dict]) -> None:
+def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     header = ["speculation", "rate", "completed", "failed", "duration s", "output tok/s", "req/s"]
     header += [f"{name.upper() if name != 'e2e' else name} p{p} {unit}" for name, unit, _ in METRICS
                for p in PERCENTILES]
-    table = [header]
+    table = []
     for row in rows:
         cells = [row["speculation"], rate_label(row["rate"]), str(row["completed"]), str(row["failed"]),
                  f"{row['duration_s']:.1f}", f"{row['output_tok_per_s']:.1f}", f"{row['req_per_s']:.2f}"]
@@ -273,48 +275,36 @@ def print_table(rows: list[dict]) -> None:
                 value = row[f"{name}_{unit}_p{p}"]
                 cells.append("n/a" if value is None else f"{value:.1f}" if unit == "ms" else f"{value:.2f}")
         table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for n, row in enumerate(table):
-        print("| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-              + " |")
-        if n == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return header, table
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """TTFT and TPOT p50 (solid) and p90 (dashed) against the rate, a colour per speculation setting."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"note: no plot written to {path}: matplotlib is not installed (pip install matplotlib)",
-              file=sys.stderr)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(rows: list[dict]):
+    """TTFT and TPOT p50 (solid) and p90 (dashed) against the rate, a colour per speculation
+    setting: draw(rows)(plt) -> the figure."""
+    def figure(plt):
+        rates = sorted({row["rate"] for row in rows})
+        finite = [rate for rate in rates if math.isfinite(rate)]
+        inf_x = max(finite) * 1.5 if finite else 1.0  # `inf` drawn after the largest finite rate
 
-    rates = sorted({row["rate"] for row in rows})
-    finite = [rate for rate in rates if math.isfinite(rate)]
-    inf_x = max(finite) * 1.5 if finite else 1.0  # `inf` drawn after the largest finite rate
+        def x(rate: float) -> float:
+            return rate if math.isfinite(rate) else inf_x
 
-    def x(rate: float) -> float:
-        return rate if math.isfinite(rate) else inf_x
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, name in zip(axes, ("ttft", "tpot")):
-        for colour, label in enumerate(dict.fromkeys(row["speculation"] for row in rows)):
-            mine = sorted((row for row in rows if row["speculation"] == label), key=lambda row: row["rate"])
-            for p, style in ((50, "-"), (90, "--")):
-                values = [row[f"{name}_ms_p{p}"] for row in mine]
-                ax.plot([x(row["rate"]) for row in mine], [math.nan if v is None else v for v in values],
-                        style, marker="o", color=f"C{colour}", label=f"{label} p{p}")
-        ax.set_xticks([x(rate) for rate in rates], [rate_label(rate) for rate in rates])
-        ax.set(title=f"{name.upper()} vs request rate", xlabel="request rate (req/s)", ylabel=f"{name.upper()} ms")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot: {path}", file=sys.stderr)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, name in zip(axes, ("ttft", "tpot")):
+            for colour, label in enumerate(dict.fromkeys(row["speculation"] for row in rows)):
+                mine = sorted((row for row in rows if row["speculation"] == label), key=lambda row: row["rate"])
+                for p, style in ((50, "-"), (90, "--")):
+                    values = [row[f"{name}_ms_p{p}"] for row in mine]
+                    ax.plot([x(row["rate"]) for row in mine], [math.nan if v is None else v for v in values],
+                            style, marker="o", color=f"C{colour}", label=f"{label} p{p}")
+            ax.set_xticks([x(rate) for rate in rates], [rate_label(rate) for rate in rates])
+            ax.set(title=f"{name.upper()} vs request rate", xlabel="request rate (req/s)",
+                   ylabel=f"{name.upper()} ms")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        return fig
+    return figure
 
 
 def save_json(path: str, args: argparse.Namespace, rows: list[dict], records: list[dict]) -> None:
@@ -326,15 +316,22 @@ def save_json(path: str, args: argparse.Namespace, rows: list[dict], records: li
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompt_file(args.prompts)
     if not prompts:
         fail(f"no prompts in {args.prompts}")
+    report = Report(args.name, "bench_serving: a running server under Poisson load", "scripts.bench_serving",
+                    argv, args)
     rows, records = asyncio.run(benchmark(args, prompts))
-    print(f"\n{args.base_url}  model {args.model}  {args.num_requests} requests per rate, max_tokens "
-          f"{args.max_tokens}, temperature {args.temperature:g}, {len(prompts)} prompts from {args.prompts}\n")
-    print_table(rows)
+    report.line(f"{args.base_url}  model {args.model}  {args.num_requests} requests per rate, max_tokens "
+                f"{args.max_tokens}, temperature {args.temperature:g}, {len(prompts)} prompts from {args.prompts}")
+    report.line()
+    report.table(*table(rows), align="ll" + "r" * (len(table(rows)[0]) - 2))
+    report.data["summary"] = [{**row, "rate": rate_label(row["rate"])} for row in rows]
+    plot = draw(rows)
     if args.plot:
-        plot(rows, args.plot)
+        if save_plot(Path(args.plot), plot):
+            print(f"plot: {args.plot}", file=sys.stderr)
+    report.write(plot=plot if args.plot is None else None)
     if args.save_json:
         save_json(args.save_json, args, rows, records)
 

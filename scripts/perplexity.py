@@ -1,9 +1,10 @@
 """Perplexity of a model over a fixed English text with this runtime, computed the way
 llama.cpp's `llama-perplexity` computes it, and llama.cpp's own number on the same GGUF file.
 
-    .venv/bin/python scripts/perplexity.py
-    .venv/bin/python scripts/perplexity.py --max-chunks 8 --threads 1
-    .venv/bin/python scripts/perplexity.py --model /models/qwen2.5-0.5b-instruct-q8_0.gguf --quantizations auto,none
+    python -m scripts.perplexity
+    python -m scripts.perplexity --max-chunks 8 --threads 1
+    python -m scripts.perplexity --model /models/qwen2.5-0.5b-instruct-q8_0.gguf --quantizations auto,none
+    python -m scripts.perplexity --max-chunks 2 --ctx 128 --quantizations auto   # smoke test
 
 What is measured (llama.cpp's tools/perplexity/perplexity.cpp, `perplexity()`, default
 path without --ppl-stride):
@@ -23,7 +24,7 @@ Our rows run DecoderModel from runtime.models.loader.load_model (each --quantiza
 entry: auto|none|int8|int4, in --dtype) with a plain SDPA causal attention; llama.cpp's
 row runs `llama-perplexity -m FILE -f TEXT -c CTX -b CTX -t THREADS [--chunks N]` (only
 for .gguf models; an alias resolves to its GGUF file). The table goes to stdout and to
-results/perplexity-<date>.md (--output).
+benchmarks/results/<date>-perplexity.md (and .json; --name, --output).
 
 The text (scripts/data/perplexity_text.txt): chapters I-III of "Alice's Adventures in
 Wonderland" by Lewis Carroll (1865), Project Gutenberg's "Millennium Fulcrum Edition 2.9"
@@ -34,7 +35,6 @@ CRLF turned into LF, trailing blank lines dropped (33 KB, about 8,600 SmolLM2 to
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import re
@@ -44,15 +44,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from runtime.models.loader import DEFAULT_MODEL, DTYPES, QUANTIZATIONS, load_model, resolve_model  # noqa: E402
-from runtime.models.quant_linear import linear_kernels  # noqa: E402
-from results import machine  # noqa: E402  (scripts/results.py)
+from runtime.models.loader import DEFAULT_MODEL, DTYPES, QUANTIZATIONS, load_model, resolve_model
+from runtime.models.quant_linear import linear_kernels
+from scripts.harness import ROOT, Report, add_results_args
 
 TEXT = ROOT / "scripts" / "data" / "perplexity_text.txt"
 DEFAULT_LLAMA_BIN = Path.home() / ".cache" / "heterospec" / "llama.cpp" / "build" / "bin"
@@ -161,15 +158,7 @@ def find_llama_bin(path: str | None) -> Path | None:
 
 # ---- report -----------------------------------------------------------------------------------
 
-def machine_lines(args_line: str, threads: int) -> list[str]:
-    m = machine()
-    commit, cpu = m["commit"], m["cpu"]
-    return [f"- command: `{args_line}`",
-            f"- commit {commit}; {cpu}, {m['cores']} cores, {threads} threads; torch {m['torch']}",
-            f"- text: {TEXT.relative_to(ROOT)} (Alice's Adventures in Wonderland, ch. I-III)"]
-
-
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", help=f"alias, .gguf file or HF directory (repeatable; default {DEFAULT_MODEL})")
     p.add_argument("--quantizations", default="none,int8,int4,auto", help="comma-separated, of auto|none|int8|int4")
@@ -179,8 +168,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads and llama.cpp's -t")
     p.add_argument("--device", default="cpu")
     p.add_argument("--llama-cpp-bin", default=None, help=f"llama-perplexity or its folder (default {DEFAULT_LLAMA_BIN})")
-    p.add_argument("--output", default=None, help="results file (default results/perplexity-<date>.md)")
-    args = p.parse_args()
+    p.add_argument("--output", default=None,
+                   help="results file, the .json beside it (default: benchmarks/results/<date>-NAME.md)")
+    add_results_args(p, "perplexity")
+    args = p.parse_args(argv)
     models = args.model or [DEFAULT_MODEL]
     quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     for q in quantizations:
@@ -189,6 +180,8 @@ def main() -> None:
     if args.ctx < 4 or args.ctx % 2:
         p.error("--ctx must be an even number >= 4")
     torch.set_num_threads(args.threads)
+    report = Report(args.name, "Perplexity: this runtime against llama.cpp's llama-perplexity", "scripts.perplexity",
+                    argv, args)
     llama_bin = find_llama_bin(args.llama_cpp_bin)
     if llama_bin is None:
         print(f"llama-perplexity not found ({args.llama_cpp_bin or DEFAULT_LLAMA_BIN}): no llama.cpp row "
@@ -199,7 +192,7 @@ def main() -> None:
 
     header = ("| model | quantization | dtype | chunks x scored | PPL | llama.cpp PPL (same file) | ours / llama.cpp | s |\n"
               "|---|---|---|---|---|---|---|---|")
-    rows, notes = [], []
+    rows, notes, records = [], [], []
     for spec in models:
         source = resolve_model(spec)
         name = source.path.name
@@ -210,6 +203,7 @@ def main() -> None:
                 rows.append(f"| {name} | llama.cpp (file as is) | - | {llama['chunks']} x {args.ctx - 1 - args.ctx // 2} "
                             f"| {llama['ppl']:.4f} +/- {llama['err']:.4f} | {llama['ppl']:.4f} | - | {llama['seconds']:.0f} |")
                 print(rows[-1], flush=True)
+                records.append({"model": name, "quantization": "llama.cpp", **llama})
         for quantization in quantizations:
             start = time.perf_counter()
             model, tokenizer, config = load_model(spec, args.dtype, args.device, quantization)
@@ -227,6 +221,9 @@ def main() -> None:
             rows.append(f"| {name} | {quantization} | {args.dtype} | {chunks} x {scored // chunks} "
                         f"| {ppl:.4f} +/- {err:.4f} | {theirs} | {ratio} | {seconds:.0f} |")
             print(rows[-1], flush=True)
+            records.append({"model": name, "quantization": quantization, "dtype": args.dtype, "chunks": chunks,
+                            "scored_tokens": scored, "ppl": ppl, "err": err, "seconds": seconds,
+                            "llama_cpp_ppl": llama["ppl"] if llama else None})
             notes.append(f"- {name} {quantization}: {len(tokens)} tokens (BOS {'added' if add_bos else 'not added'}); "
                          f"{linear_kernels(model)}")
             if llama and llama["chunks"] is not None and llama["chunks"] != chunks:
@@ -234,15 +231,14 @@ def main() -> None:
                              "the tokenizations differ in length")
             del model
 
-    args_line = shlex.join([".venv/bin/python", "scripts/perplexity.py", *sys.argv[1:]])
-    report = "\n".join([f"# Perplexity, {datetime.date.today().isoformat()}", "", *machine_lines(args_line, args.threads),
-                        f"- ctx {args.ctx}, scored positions ctx/2..ctx-1 of each chunk (llama.cpp's way)", "",
-                        header, *rows, "", *notes, ""])
-    print("\n" + header + "\n" + "\n".join(rows))
-    output = Path(args.output) if args.output else ROOT / "results" / f"perplexity-{datetime.date.today().isoformat()}.md"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(report)
-    print(f"\nwritten to {output}", file=sys.stderr)
+    print()
+    for line in (f"- {args.threads} threads; text: {TEXT.relative_to(ROOT)} (Alice's Adventures in Wonderland, "
+                 "ch. I-III)",
+                 f"- ctx {args.ctx}, scored positions ctx/2..ctx-1 of each chunk (llama.cpp's way)", "",
+                 header, *rows, "", *notes):
+        report.line(line)
+    report.data["rows"] = records
+    report.write(args.output)
 
 
 if __name__ == "__main__":

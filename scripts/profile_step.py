@@ -10,24 +10,24 @@ the timed steps; the operator table comes from a second, profiled run. The engin
 eagerly (enforce_eager), so that the model's operators can be told apart: the compiled decode
 step, the default on the CPU, fuses them.
 
-    .venv/bin/python scripts/profile_step.py
-    .venv/bin/python scripts/profile_step.py --batch 32 --max-tokens 64
-    .venv/bin/python scripts/profile_step.py --speculator eagle --eagle-head models/eagle3-smollm2 --fixed
+The tables go to stdout and to benchmarks/results/<date>-profile_step.md (and .json).
+
+    python -m scripts.profile_step
+    python -m scripts.profile_step --batch 32 --max-tokens 64
+    python -m scripts.profile_step --speculator eagle --eagle-head models/eagle3-smollm2 --fixed
+    python -m scripts.profile_step --max-tokens 8 --speculator lookahead   # smoke test
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from runtime import LLM, SamplingParams  # noqa: E402
+from runtime import LLM, SamplingParams
+from scripts.harness import Report, add_results_args, proposers
 
 PROMPT = "Explain how a hash table works."
 # operator name -> kind, for the forward's split
@@ -81,7 +81,9 @@ def main(argv=None) -> None:
     p.add_argument("--speculative-tree-width", type=int, default=None, help="most children per node (default: the "
                                                                             "speculator's)")
     p.add_argument("--fixed", action="store_true", help="adaptive speculation off: every step drafts the whole tree")
+    add_results_args(p, "profile_step")
     args = p.parse_args(argv)
+    report = Report(args.name, "profile_step: where one decode step's time goes", "scripts.profile_step", argv, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
@@ -95,7 +97,7 @@ def main(argv=None) -> None:
 
     step, execute = Timer(engine, "step"), Timer(runner, "execute")
     forward, logits = Timer(runner.model, "forward"), Timer(runner.model, "compute_logits")
-    drafting = [Timer(proposer, "propose") for proposer in engine.proposers.values()]
+    drafting = [Timer(proposer, "propose") for proposer in proposers(engine).values()]
     results = llm.generate(prompts, params, use_tqdm=False)
     timed = {name: t.times[1:] for name, t in (("step", step), ("execute", execute), ("forward", forward),
                                                ("logits", logits))}  # [0] is the prefill
@@ -114,11 +116,10 @@ def main(argv=None) -> None:
     speculation = "" if args.speculator == "none" else (
         f", speculator {args.speculator} ({'fixed' if args.fixed else 'adaptive'}), "
         f"{tokens_per_step:.2f} tokens per step per request")
-    print(f"\n{args.model} {args.dtype} on {engine.device}, batch {args.batch}, {args.max_tokens} tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps} decode steps"
-          + speculation)
-    print("| part of a decode step | ms | share |")
-    print("|---|---|---|")
+    report.line(f"{args.model} {args.dtype} on {engine.device}, batch {args.batch}, {args.max_tokens} tokens, "
+                f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians over {num_steps} decode steps"
+                + speculation)
+    report.line()
     parts = [("engine (schedule, sample, commit, detokenize)", med["step"] - med["execute"] - med["drafting"]),
              ("drafting (the proposers' propose, mean)", med["drafting"]),
              ("runner input preparation (ids, slots, masks)", med["execute"] - med["forward"] - med["logits"]),
@@ -126,15 +127,19 @@ def main(argv=None) -> None:
              ("LM head (logits)", med["logits"])]
     if args.speculator == "none":
         del parts[1]
-    for name, ms in parts:
-        print(f"| {name} | {ms:.2f} | {ms / med['step']:.0%} |")
     rate = 1000 / med["step"] * args.batch * (tokens_per_step if args.speculator != "none" else 1)
-    print(f"| whole step ({rate:.1f} tok/s) | {med['step']:.2f} | 100% |")
-    print("\nprofiled run, operators' self CPU time per step (profiler overhead included):")
-    print("| operator kind | ms | share |")
-    print("|---|---|---|")
-    for kind, ms in sorted(forward_ops.items(), key=lambda kv: -kv[1]):
-        print(f"| {kind} | {ms:.2f} | {ms / total_ops:.0%} |")
+    report.table(("part of a decode step", "ms", "share"),
+                 [(name, f"{ms:.2f}", f"{ms / med['step']:.0%}") for name, ms in parts]
+                 + [(f"whole step ({rate:.1f} tok/s)", f"{med['step']:.2f}", "100%")])
+    report.line()
+    report.line("profiled run, operators' self CPU time per step (profiler overhead included):")
+    report.line()
+    report.table(("operator kind", "ms", "share"),
+                 [(kind, f"{ms:.2f}", f"{ms / total_ops:.0%}")
+                  for kind, ms in sorted(forward_ops.items(), key=lambda kv: -kv[1])])
+    report.data.update(step_ms=dict(parts, whole_step=med["step"]), tok_per_s=rate, num_steps=num_steps,
+                       tokens_per_step_per_request=tokens_per_step, operators_ms_per_step=forward_ops)
+    report.write()
 
 
 if __name__ == "__main__":
