@@ -1,8 +1,8 @@
 """Train an EAGLE head for a target model by self-distillation, on the CPU or a GPU.
 
-The target answers a prompt set (default: the package's speculators/data/train_prompts.jsonl)
-through our engine, its hidden states (features) are recorded, and the head learns to
-predict the target's token after next (speculators/training_eagle.py). An EAGLE-1/2 head reads
+The target answers a prompt set (default: training/data/train_prompts.jsonl) through our
+engine, its hidden states (features) are recorded, and the head learns to predict the
+target's token after next (training/eagle.py). An EAGLE-1/2 head reads
 the final hidden state, guesses the next one (feature regression, with EAGLE's feature
 noise) and shares the target's LM head. With --eagle3, an EAGLE-3 head reads three
 layers' inputs and has its own LM head over the --draft-vocab tokens the target writes
@@ -12,8 +12,8 @@ its greedy token. --feature-cache DIR keeps the target's states for the next run
 a checkpoint in the public EAGLE (or EAGLE-3) layout (model.safetensors + config.json)
 that `--speculator eagle --eagle-head DIR` loads.
 
-    python scripts/train_eagle.py --out models/eagle-smollm2             # default model, ~15 min here
-    python scripts/train_eagle.py --eagle3 --unroll 3 --out models/eagle3-smollm2
+    python -m scripts.train_eagle --out models/eagle-smollm2             # default model, ~15 min here
+    python -m scripts.train_eagle --eagle3 --unroll 3 --out models/eagle3-smollm2
     python -m runtime.generate --speculator eagle --eagle-head models/eagle-smollm2 ...
 """
 from __future__ import annotations
@@ -24,14 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head  # noqa: E402
-from speculators.training import (add_self_distillation_args, corpus_paths, draft_vocabulary,  # noqa: E402
-                                  self_distillation_corpus)
-from speculators.training_eagle import eagle_data, train_eagle  # noqa: E402
+from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head
+from training.common import add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus
+from training.eagle import eagle_data, train_eagle
 
 
 def parse_args(argv=None):
@@ -56,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--soft-labels", type=int, default=0, metavar="K",
                    help="train against the target's next-token distribution, its top K tokens (EAGLE-3's "
                         "soft labels), instead of its greedy token (default: 0 = greedy tokens)")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the checkpoint's weights (default: float32; bfloat16 halves the file: the shipped "
+                        "head is saved so)")
     p.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="keep the target's states of the corpora here (about 1 GB per 1,000 answers of the "
                         "default model): a later training with the same target, corpora, feature layers and "
@@ -102,12 +102,13 @@ def main(argv=None) -> int:
                           "validation": Path(args.val_prompts).name if args.val_prompts else "first corpus",
                           "answers": len(train_samples) + len(val_samples),
                           "max_tokens": args.max_tokens, "unroll": args.unroll, "init_head": args.init_head,
-                          "soft_labels": args.soft_labels}}
+                          "soft_labels": args.soft_labels, "max_answers": args.max_answers}}
 
     def checkpoint(figures):
         save_head(head, out, {**extra, "step": figures["step"], "val_loss": figures["val_loss"],
                               "val_depth1_accuracy": figures["val_accuracy"],
-                              "val_step_acceptance": figures["val_step_acceptance"]})
+                              "val_step_acceptance": figures["val_step_acceptance"]},
+                  dtype=getattr(torch, args.save_dtype))
 
     noise = args.noise if args.noise is not None else (0.1 if head.regresses_features else 0.0)
     result = train_eagle(head, train, val, args.steps, args.lr, args.sequences_per_step, noise,

@@ -1,12 +1,12 @@
 """Train Medusa heads for a target model by self-distillation, on the CPU or a GPU.
 
-The target answers a prompt set (default: the package's speculators/data/train_prompts.jsonl)
-through our engine, its hidden states are recorded, and K heads learn to predict the
-target's own next tokens (speculators/training_medusa.py). Writes a checkpoint in the public
+The target answers a prompt set (default: training/data/train_prompts.jsonl) through our
+engine, its hidden states are recorded, and K heads learn to predict the target's own
+next tokens (training/medusa.py). Writes a checkpoint in the public
 Medusa layout (medusa_lm_head.safetensors + config.json) that `--speculator medusa
 --medusa-heads DIR` loads.
 
-    python scripts/train_medusa.py --out models/medusa-smollm2           # default model, ~10 min here
+    python -m scripts.train_medusa --out models/medusa-smollm2           # default model, ~10 min here
     python -m runtime.generate --speculator medusa --medusa-heads models/medusa-smollm2 ...
 """
 from __future__ import annotations
@@ -17,14 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from speculators.medusa import MedusaHeads, load_heads, save_heads  # noqa: E402
-from speculators.training import (add_self_distillation_args, corpus_paths, draft_vocabulary,  # noqa: E402
-                                  self_distillation_corpus)
-from speculators.training_medusa import medusa_data, train_medusa  # noqa: E402
+from speculators.medusa import MedusaHeads, load_heads, save_heads
+from training.common import add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus
+from training.medusa import medusa_data, train_medusa
 
 
 def parse_args(argv=None):
@@ -89,7 +86,8 @@ def main(argv=None) -> int:
              "training": {"corpora": [path.name for path in corpus_paths(args)],
                           "validation": Path(args.val_prompts).name if args.val_prompts else "first corpus",
                           "answers": len(train_samples) + len(val_samples),
-                          "max_tokens": args.max_tokens, "init_heads": args.init_heads}}
+                          "max_tokens": args.max_tokens, "init_heads": args.init_heads,
+                          "max_answers": args.max_answers}}
 
     def checkpoint(figures):
         save_heads(heads, out, {**extra, **figures})

@@ -3,7 +3,9 @@ Lookahead Cache (`lookahead`), a draft model (`draft`, run by draft_cpu's worker
 heads on the target's hidden state (`medusa`), and an EAGLE head drafting EAGLE-2 trees
 from the target's features (`eagle`); several at once, their trees merged
 (`eagle+lookahead`, speculators/composite.py). Medusa and EAGLE heads are trained by
-self-distillation (speculators/training.py, training_medusa.py, training_eagle.py).
+self-distillation in the top-level training/ package (not part of the inference packages:
+none of them imports it); a trained EAGLE-3 head for the default model ships in
+speculators/heads/.
 
 Each speculator declares itself (name, defaults, settings) in its own file; the registry
 (speculators.registry) lists them, and `build_proposer(name, config, target)` makes one

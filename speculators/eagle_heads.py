@@ -18,7 +18,7 @@ the residual. Its output state goes through its own final norm and its own LM he
 a draft vocabulary (the most frequent tokens; draft id i is target token i + d2t[i]), and
 is, as it is, the next drafting step's input state.
 
-Both offer the proposer (speculators/eagle.py) and the trainer (speculators/training_eagle.py)
+Both offer the proposer (speculators/eagle.py) and the trainer (training/eagle.py)
 one interface:
   target_features(hidden [n, H']) -> [n, F]  the part of the target's hidden states it reads
                                               (ModelRunner.execute: final state, then layer inputs)
@@ -51,6 +51,7 @@ from torch import nn
 
 from runtime.models.config import ModelConfig
 from runtime.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from runtime.models.packed_linear import apply_linear
 from speculators.draft_vocab import DraftVocabulary
 
 CONFIG_NAME = "config.json"
@@ -106,8 +107,9 @@ class EagleHead(nn.Module):
         return self.layers[0](x, cos, sin, attention)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
-        # [N, H] -> [N, V] float32, through the target's LM head
-        return self._shared[1](features).float()
+        # [N, H] -> [N, V] float32, through the target's LM head, whatever its dtype and packing
+        # (a float32 head in training shares a bf16 target's LM head: packed where bf16 math is native)
+        return apply_linear(self._shared[1], features).float()
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
@@ -293,13 +295,19 @@ def load_public_state(head, tensors: dict[str, torch.Tensor], source: str) -> No
 
 # ---- files ------------------------------------------------------------------------------------------
 
-def save_head(head, directory: str | Path, extra_config: dict | None = None) -> Path:
+def save_head(head, directory: str | Path, extra_config: dict | None = None,
+              dtype: torch.dtype | None = None) -> Path:
+    """The head's weights (in dtype, e.g. bf16 for a checkpoint half the size; default the
+    head's own) and config in the public layout; the target's shared weights are not saved."""
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().contiguous().cpu() for n, t in to_public_names(head).items()}
+    tensors = {n: t.detach().to(dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous().cpu()
+               for n, t in to_public_names(head).items()}
     save_file(tensors, str(directory / WEIGHTS_NAME))
-    (directory / CONFIG_NAME).write_text(json.dumps({**head.config_dict(), **(extra_config or {})}, indent=2))
+    config = {**head.config_dict(), **({"torch_dtype": str(dtype).replace("torch.", "")} if dtype else {}),
+              **(extra_config or {})}
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return directory
 
 

@@ -13,6 +13,16 @@ freezing pass emits), so the native path has it without IPEX.
 Only bf16 is packed, and only on CPUs with bf16 math (AMX or AVX-512 BF16): float32 goes
 through MKL, whose prepacked form is tied to one batch size, and without bf16 math oneDNN
 emulates it. The result equals `F.linear` up to bf16 rounding (another summation order).
+
+The dtype rule: a linear layer returns its input's dtype and computes in its weight's.
+`PackedLinear` keeps it itself: an input of another float dtype is cast to the weight's
+dtype on the way in and the output cast back (oneDNN's packed op wants one dtype; given a
+float32 input and a bf16 packed weight it fails to create its primitive), so a
+PackedLinear stands wherever an nn.Linear of the input's dtype stood. A plain nn.Linear
+does not (F.linear wants one dtype), so code calling a layer it does not own, whose
+dtype and packing the target's load chose (a head sharing the target's LM head: packed
+bf16 where `can_prepack`, row-major otherwise), calls it through `apply_linear`, which
+keeps the rule for any kind of layer. Where the dtypes match both are no-ops.
 """
 from __future__ import annotations
 
@@ -57,14 +67,17 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()  # [N, K]
+        self.weight_dtype = weight.dtype  # what it computes in (the packed tensor is opaque)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.weight = linear.weight if keep_weight else None  # the same Parameter (tied: the embedding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.heterospec.packed_linear(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, self.out_features)  # [M, N]
-        return y.reshape(*shape[:-1], self.out_features)
+        # x [..., K] of any float dtype -> [..., N] in x's dtype, computed in the weight's (the dtype rule)
+        shape, dtype = x.shape, x.dtype
+        y = torch.ops.heterospec.packed_linear(x.reshape(-1, shape[-1]).to(self.weight_dtype), self.packed_weight,
+                                               self.bias, self.out_features)  # [M, N]
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
 
     def unpacked(self) -> nn.Linear:
         """An nn.Linear over the kept weight (and bias), sharing them."""
@@ -77,6 +90,15 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) under the dtype rule (module docstring) for any linear layer: a PackedLinear
+    keeps it itself; an nn.Linear gets x in its weight's dtype and gives the output back in
+    x's; other layers (quantized ones cast x themselves) are called as they are."""
+    if isinstance(layer, nn.Linear) and x.dtype != layer.weight.dtype:
+        return layer(x.to(layer.weight.dtype)).to(x.dtype)
+    return layer(x)
 
 
 def linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

@@ -3,6 +3,13 @@
 The packed matmul sums in another order than F.linear, so both are held to the same
 reference: float32 math on the same bf16 operands, and HF transformers' float32 model for
 the whole target. Packing must lose nothing against the unpacked bf16 path it replaces.
+
+The dtype rule (a linear layer returns its input's dtype, computed in its weight's) is
+checked for every choice the code can make, whatever this CPU is: the CPU's bf16 math
+(runtime.platform.cpu_has_bf16_math, which decides `can_prepack`) is forced both ways, so
+packed and row-major layers of either weight dtype meet inputs of either dtype. An AMX
+Xeon took the packed bf16 path with float32 inputs (a float32 EAGLE head in training over
+a bf16 target's LM head) where the development CPUs never did.
 """
 from __future__ import annotations
 
@@ -10,10 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.models.packed_linear import PackedLinear, can_prepack, prepack_linears
+import runtime.models.packed_linear as packed_linear
+from runtime.models.packed_linear import PackedLinear, apply_linear, can_prepack, prepack_linears
 
-pytestmark = pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")),
-                                reason="no bf16 math (AMX or AVX-512 BF16) or no oneDNN here")
+# the tests below that run this CPU's own choices (the rule's tests force them)
+needs_bf16_math = pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")),
+                                     reason="no bf16 math (AMX or AVX-512 BF16) or no oneDNN here")
+DTYPES = [torch.float32, torch.bfloat16]
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.\n"]
 # a longer text, so that top-1 agreement is counted over ~100 positions, not a handful
@@ -24,6 +34,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "faster than ever before, and scholars could compare identical copies of the same text.")
 
 
+@needs_bf16_math
 @pytest.mark.parametrize("shape", [(1, 576), (5, 576), (64, 576), (2, 3, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_as_close_to_float32_math_as_linear(shape, bias):
@@ -40,6 +51,7 @@ def test_packed_linear_is_as_close_to_float32_math_as_linear(shape, bias):
     assert packed_err <= 2 * plain_err + 1e-2, (packed_err, plain_err)
 
 
+@needs_bf16_math
 def test_prepack_keeps_the_lm_head_weight_and_unpacks_it():
     from runtime.models.loader import load_model
     from speculators.base import frozen_on
@@ -78,12 +90,13 @@ def bf16_engines():
 def model_logits(engine, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] at every position of ids from the engine's target model (causal attention
     without the KV cache; the generation test below runs the engine's own steps)."""
-    from speculators.training import dense_causal_attention
+    from training.common import dense_causal_attention
 
     hidden = engine.model(torch.tensor(ids), torch.arange(len(ids)), dense_causal_attention)  # [T, H]
     return engine.model.compute_logits(hidden).float()
 
 
+@needs_bf16_math
 def test_bf16_target_logits_are_as_close_to_hf_packed_as_unpacked(bf16_engines, hf_smollm):
     packed, plain = bf16_engines
     for prompt in PROMPTS + [TEXT]:
@@ -100,6 +113,7 @@ def test_bf16_target_logits_are_as_close_to_hf_packed_as_unpacked(bf16_engines, 
             assert top1["packed"] >= top1["plain"] - 0.05, (prompt, top1)
 
 
+@needs_bf16_math
 def test_bf16_greedy_generation_runs_packed(bf16_engines, generate):
     from runtime.sampling_params import SamplingParams
 
@@ -113,6 +127,7 @@ def test_bf16_greedy_generation_runs_packed(bf16_engines, generate):
     assert packed.block_manager.num_free_blocks == packed.block_manager.num_blocks
 
 
+@needs_bf16_math
 def test_int8_layers_run_prepacked_past_their_row_limit():
     from draft_cpu.backends import int8_linear
 
@@ -126,6 +141,7 @@ def test_int8_layers_run_prepacked_past_their_row_limit():
     torch.testing.assert_close(limited(few), int8_linear(linear)(few), atol=0, rtol=0)
 
 
+@needs_bf16_math
 @pytest.mark.parametrize("speculator", ["medusa", "eagle"])
 def test_heads_share_the_packed_lm_head(bf16_engines, generate, tmp_path, speculator):
     """Medusa heads and an EAGLE-1 head project through the target's LM head, which on a
@@ -161,3 +177,112 @@ def test_heads_share_the_packed_lm_head(bf16_engines, generate, tmp_path, specul
     assert all(len(o) == 8 for o in outputs)
     assert packed.stats.num_draft_tokens > drafted
     assert packed.block_manager.num_free_blocks == packed.block_manager.num_blocks
+
+
+# ---- the dtype rule, for every choice the code can make -------------------------------------
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU at all (emulated or native): a packed
+    bf16 layer cannot run without them, whatever the code chooses."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (supported is None or bool(supported())))
+
+
+def bf16_close(actual: torch.Tensor, reference: torch.Tensor) -> None:
+    """Within bf16 rounding of the float32 reference (operands rounded to bf16, another order)."""
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(actual.float(), reference, atol=0.02 * scale + 1e-3, rtol=0.02)
+
+
+@pytest.mark.parametrize("bf16_math", [True, False], ids=["bf16-math", "no-bf16-math"])
+@pytest.mark.parametrize("weight_dtype", DTYPES, ids=["w-f32", "w-bf16"])
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["x-f32", "x-bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_every_linear_the_code_chooses_returns_the_inputs_dtype(monkeypatch, bf16_math, weight_dtype, x_dtype, bias):
+    """prepack_linears (the target's load) and frozen_on (a head's copy of the target's LM
+    head) choose packed or row-major by can_prepack; whichever they chose, the layer takes
+    an input of either dtype through apply_linear (a PackedLinear also called directly), and
+    gives F.linear's float32 result within bf16 rounding, in the input's dtype."""
+    from speculators.base import frozen_on
+
+    monkeypatch.setattr(packed_linear, "cpu_has_bf16_math", lambda: bf16_math)
+    packs = can_prepack(weight_dtype, torch.device("cpu"))
+    assert packs == (bf16_math and weight_dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if packs and not onednn_runs_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 300, bias=bias)).to(weight_dtype)
+    weight = model[0].weight.detach().float()
+    b = None if model[0].bias is None else model[0].bias.detach().float()
+    assert prepack_linears(model) == int(packs)
+    layer = model[0]
+    assert isinstance(layer, PackedLinear) == packs
+    float_source = nn.Linear(576, 300, bias=bias)  # a float32 target's LM head, copied for a head in weight_dtype
+    with torch.no_grad():
+        float_source.weight.copy_(weight)
+        if bias:
+            float_source.bias.copy_(b)
+    copied = frozen_on(float_source, torch.device("cpu"), weight_dtype)
+    assert isinstance(copied, PackedLinear) == packs
+    for shape in [(1, 576), (5, 576), (2, 3, 576)]:
+        x = torch.randn(shape).to(x_dtype)
+        reference = nn.functional.linear(x.float(), weight, b)
+        calls = [apply_linear(layer, x), apply_linear(copied, x)]
+        if packs:
+            calls += [layer(x), copied(x)]
+        for y in calls:
+            assert y.dtype == x_dtype and y.shape == (*shape[:-1], 300)
+            bf16_close(y, reference)
+
+
+def test_packed_linear_takes_float32_input_over_a_bf16_weight():
+    """The AMX Xeon's failure, forced on any CPU with oneDNN bf16: a float32 input to a
+    packed bf16 weight (oneDNN's primitive wants one dtype) comes back in float32."""
+    if not onednn_runs_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 1000).bfloat16()
+    x = torch.randn(4, 576)
+    y = PackedLinear(linear)(x)
+    assert y.dtype == torch.float32
+    bf16_close(y, nn.functional.linear(x, linear.weight.float(), linear.bias.float()))
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-major"])
+def test_eagle_head_drafts_float32_features_through_a_bf16_lm_head(packed):
+    """A float32 EAGLE-1 head (as training keeps it) sharing a bf16 target's LM head: packed
+    where bf16 math is native (the AMX Xeon), row-major where it is not (--dtype bfloat16
+    on an AVX2 CPU). draft_logits and the proposer's drafting (EagleProposer._feed, the
+    path of training's validation) both run, and the logits are the float32 ones within
+    bf16 rounding."""
+    from runtime.models.config import ModelConfig
+    from runtime.sampling_params import SamplingParams
+    from speculators.base import ProposalRequest
+    from speculators.eagle import EagleProposer
+    from speculators.eagle_heads import EagleHead
+
+    if packed and not onednn_runs_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    cfg = ModelConfig("llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(2)
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).bfloat16()
+    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    shared = PackedLinear(lm_head, keep_weight=True) if packed else lm_head
+    head = EagleHead(cfg, embed, shared).float()
+    for p in head.parameters():
+        nn.init.normal_(p, std=0.1)
+    features = torch.randn(6, cfg.hidden_size)  # float32
+    logits = head.draft_logits(features)
+    assert logits.dtype == torch.float32 and logits.shape == (6, cfg.vocab_size)
+    bf16_close(logits, nn.functional.linear(features, lm_head.weight.float()))
+
+    proposer = EagleProposer(head, torch.device("cpu"), 3, num_kv_tokens=128)
+    ids = torch.randint(0, cfg.vocab_size, (12,)).tolist()
+    request = ProposalRequest("0", ids, 8, 8, 2, SamplingParams(temperature=0.0),
+                              new_features=[(0, torch.randn(len(ids) - 1, cfg.hidden_size))])
+    tree = proposer.propose([request])[0]
+    assert len(tree) > 0
+    proposer.release("0")

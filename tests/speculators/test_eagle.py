@@ -1,4 +1,4 @@
-"""EAGLE (speculators/eagle.py, speculators/training_eagle.py) on the default model.
+"""EAGLE (speculators/eagle.py, training/eagle.py) on the default model.
 
 - Features: a proposer that reads features receives, over a whole speculative run, the
   target's hidden state at every committed position (with EAGLE-3 feature layers, those
@@ -26,8 +26,8 @@ from runtime.sampling_params import SamplingParams
 from speculators.base import ProposalRequest
 from speculators.eagle import EagleProposer, _best_tree, _Node
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head, to_public_names
-from speculators.training import Sample
-from speculators.training_eagle import eagle_data, train_eagle
+from training.common import Sample
+from training.eagle import eagle_data, train_eagle
 from tests.helpers import greedy
 
 PROMPTS = [
@@ -85,7 +85,7 @@ def test_public_layout_names_and_round_trip(tmp_path, architecture, bias):
     feats = torch.randn(3, cfg.hidden_size)
 
     def causal(layer, q_, k, v):
-        from speculators.training import dense_causal_attention
+        from training.common import dense_causal_attention
         return dense_causal_attention(layer, q_, k, v)
 
     with torch.no_grad():
@@ -145,7 +145,7 @@ def test_proposer_drafts_a_valid_tree_within_budget_and_width():
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks - 2  # 5 fed inputs, 4 a block
     # the depth-1 nodes are the head's top tokens after feeding the context
     with torch.no_grad():
-        from speculators.training import dense_causal_attention
+        from training.common import dense_causal_attention
         out = head(torch.tensor(tokens[1:]), torch.arange(5), features[0][1], dense_causal_attention)
         top = head.draft_logits(out[-1:])[0].topk(3).indices.tolist()
     assert set(tree.token_ids[i] for i, p in enumerate(tree.parents) if p == -1) <= set(top)
@@ -290,8 +290,8 @@ def test_unrolled_steps_are_the_drafts_the_head_makes_when_serving(kind):
     (tokens teacher-forced): a dense causal pass over the states made from the target's
     features at the context (EAGLE-1: the features; EAGLE-3: fc of them), followed by the
     head's own output states along the chain, written here step by step."""
-    from speculators.training import dense_causal_attention
-    from speculators.training_eagle import unrolled_predictions
+    from training.common import dense_causal_attention
+    from training.eagle import unrolled_predictions
     head, tokens, features = unroll_case(kind)
     t, unroll = len(tokens), 3
     steps = unrolled_predictions(head, tokens, features, unroll)

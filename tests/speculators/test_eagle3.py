@@ -29,10 +29,10 @@ from safetensors.torch import save_file
 from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
-from speculators.training import Sample, dense_causal_attention, draft_vocabulary, target_states
+from training.common import Sample, dense_causal_attention, draft_vocabulary, target_states
 from speculators.draft_vocab import DraftVocabulary
-from speculators.training_eagle import (eagle_data, evaluate_eagle, greedy_path_length, soft_cross_entropy,
-                                       train_eagle)
+from training.eagle import (eagle_data, evaluate_eagle, greedy_path_length, soft_cross_entropy,
+                            train_eagle)
 from runtime.draft_tree import DraftTree
 from tests.helpers import greedy
 
@@ -232,7 +232,7 @@ def test_soft_labels_are_the_target_distribution_on_the_draft_vocabulary():
 
 def test_target_states_cache_reads_back_what_was_extracted_and_misses_on_any_change(engine_f32, tmp_path,
                                                                                     monkeypatch):
-    import speculators.training_eagle as training_eagle
+    import training.eagle as training_eagle
     extracted = []
 
     def counting_target_states(model, samples, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Medusa heads (speculators/medusa.py, speculators/training_medusa.py) on the default model.
+"""Medusa heads (speculators/medusa.py, training/medusa.py) on the default model.
 
 - Tree compile: a choices list gives the expected parents, depths, ranks and attention
   mask; bad lists fail clearly.
@@ -28,9 +28,9 @@ from speculators.base import ProposalRequest
 from speculators.medusa import (CompiledTree, MedusaHeads, MedusaProposer, default_choices, load_choices,
                                 load_heads, save_heads)
 from speculators.base import IGNORE
-from speculators.training import Sample, dense_causal_attention, draft_vocabulary
-from speculators.training_medusa import (evaluate_medusa, medusa_data, medusa_labels, step_acceptance, train_medusa,
-                                         tree_acceptance)
+from training.common import Sample, dense_causal_attention, draft_vocabulary
+from training.medusa import (evaluate_medusa, medusa_data, medusa_labels, step_acceptance, train_medusa,
+                             tree_acceptance)
 from runtime.draft_tree import DraftTree
 from tests.helpers import greedy
 
@@ -420,7 +420,7 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
     """scripts/train_medusa.py --init-heads trains the checkpoint's heads (3 of them, not
     the default 4): with a learning rate of 0 it writes them back unchanged."""
     from scripts import train_medusa
-    from speculators.training import save_corpus
+    from training.common import save_corpus
     samples = [Sample(engine_f32.tokenize(p) + out, len(engine_f32.tokenize(p)))
                for p, out in zip(PROMPTS, plain_outputs)]
     save_corpus(samples, tmp_path / "corpus.jsonl.gz", "smollm2-135m")  # compressed, as shipped corpora are
@@ -440,12 +440,12 @@ def test_training_script_starts_from_a_checkpoint(engine_f32, trained_heads, pla
 
 
 def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(plain_outputs, tmp_path):
-    """The training scripts' corpora (speculators.training.self_distillation_corpus): a
+    """The training scripts' corpora (training.common.self_distillation_corpus): a
     missing corpus is written by the target, the first greedily and a second one sampled;
     validation answers come from the first, and the second's answers to their prompts are
     not trained on."""
     import argparse
-    from speculators.training import add_self_distillation_args, load_corpus, self_distillation_corpus
+    from training.common import add_self_distillation_args, load_corpus, self_distillation_corpus
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
     parser = argparse.ArgumentParser()
@@ -468,7 +468,7 @@ def test_more_corpora_add_sampled_answers_and_keep_the_validation_prompts_out(pl
 
 def test_corpus_only_writes_the_answers_and_trains_nothing(plain_outputs, tmp_path):
     from scripts import train_medusa
-    from speculators.training import load_corpus
+    from training.common import load_corpus
     prompts, corpus, out = tmp_path / "prompts.jsonl", tmp_path / "corpus.jsonl", tmp_path / "out"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     assert train_medusa.main(["--enforce-eager", "--out", str(out), "--data", str(prompts), "--corpus", str(corpus), "--max-tokens", "4",
@@ -483,7 +483,7 @@ def test_validation_on_other_prompts_keeps_them_out_of_training(plain_outputs, t
     (written once to OUT/val-corpus.jsonl, then read back), every corpus answer is trained
     on except those to a validation prompt."""
     import argparse
-    from speculators.training import add_self_distillation_args, self_distillation_corpus
+    from training.common import add_self_distillation_args, self_distillation_corpus
     train_prompts, val_prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     train_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
     val_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPTS[3], PROMPTS[0])))
@@ -506,14 +506,14 @@ def test_validation_on_other_prompts_keeps_them_out_of_training(plain_outputs, t
 
 
 def test_the_shipped_corpora_are_the_default_models_answers(engine_f32, generate):
-    """speculators/data's corpora (what training reads for the default model by default):
+    """training/data's corpora (what training reads for the default model by default):
     one answer per 'train_large' prompt each, in order, then one per 'train_varied' prompt.
     The float32 greedy one's answers are what our engine writes greedily for those prompts
     (three of them, across the file, checked here). The sampled one (T = 0.8) is this
     model's own text but not its greedy text: the target's greedy token is the written one
     most of the time, not nearly always. The varied one was written greedily in bf16: float32
     greedy agrees with nearly every token."""
-    from speculators.training import default_prompt_file, load_corpus, load_prompts, shipped_corpora
+    from training.common import default_prompt_file, load_corpus, load_prompts, shipped_corpora
     paths = shipped_corpora("smollm2-135m")
     assert len(paths) == 3 and shipped_corpora("some-other-model") == []
     greedy_samples, sampled, varied = (load_corpus(path, "smollm2-135m") for path in paths)

@@ -1,4 +1,4 @@
-"""The shipped prompt sets: the large training set is what scripts/make_prompts.py writes,
+"""The shipped prompt sets: the large training set is what training/make_prompts.py writes,
 and no training prompt shares a topic, a programming task or a template with the held-out
 prompts that the benchmarks measure acceptance on."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-from scripts import make_prompts
+from training import make_prompts
 
-from speculators.training import default_prompt_file, load_prompts  # noqa: E402
+from training.common import default_prompt_file, load_prompts  # noqa: E402
 
 
 def texts(path) -> list[str]:
@@ -62,7 +62,7 @@ def test_every_heldout_prompt_is_a_known_template_filled_with_its_subject():
 
 
 def test_self_prompts_start_from_the_chat_template_before_the_users_text(engine_f32):
-    import make_self_prompts
+    from training import make_self_prompts
     tokenizer = engine_f32.tokenizer
     prefix = make_self_prompts.pre_query_token_ids(tokenizer)
     request = engine_f32.tokenize([{"role": "user", "content": "How do clouds form?"}])
@@ -71,7 +71,7 @@ def test_self_prompts_start_from_the_chat_template_before_the_users_text(engine_
 
 
 def test_self_prompts_keep_only_new_finished_requests_away_from_the_heldout_ones(engine_f32, tmp_path, monkeypatch):
-    import make_self_prompts
+    from training import make_self_prompts
     sampled = [("How do clouds form?", "stop"), ("how do clouds form?", "stop"),  # the second is a repeat
                ("Describe tea in simple words.", "stop"), ("What does a penguin eat?", "stop"),
                ("Write me a very long", "length"), ("Hi", "stop"), ("Plan a trip to Lisbon for me.", "stop"),
@@ -85,7 +85,7 @@ def test_self_prompts_keep_only_new_finished_requests_away_from_the_heldout_ones
 
 
 def test_self_prompts_are_requests_the_model_writes(engine_f32):
-    import make_self_prompts
+    from training import make_self_prompts
     requests = make_self_prompts.sample_requests(engine_f32, 4, 48, 1.0, 0.95, seed=0)
     assert len(requests) == 4
     assert len({text for text, _ in requests}) == 4  # one seed each: four different requests

@@ -1,4 +1,4 @@
-"""EAGLE heads' self-distillation (the corpus and the target's states: speculators/training.py).
+"""EAGLE heads' self-distillation (the corpus and the target's states: training/common.py).
 
 The head reads (f_p, token p + 1) for every p of a sample in one causal pass (EAGLE's
 uniform noise on the input features) and is scored by the cross-entropy of its draft
@@ -8,7 +8,7 @@ would verify, where the written token is a draw), or with soft labels against th
 target's whole next-token distribution there (its top-k; EAGLE-3's recipe); an EAGLE-1
 head also against f_{p+1} (smooth L1, with the cross-entropy weighted 0.1). EAGLE-3 features are three target
 layers' inputs, and its draft vocabulary the corpus's most frequent answer tokens
-(`training.draft_vocabulary`). With unroll > 1 the head is also trained on its own drafts
+(`training.common.draft_vocabulary`). With unroll > 1 the head is also trained on its own drafts
 (EAGLE-3's training-time test). Validation: depth-1 top-1 accuracy, teacher-forced, and
 acceptance per decode step (`step_acceptance`: the proposer itself drafts its EAGLE-2
 trees along each validation answer, as a greedy decode with fixed trees would verify them).
@@ -28,7 +28,7 @@ from torch import nn
 
 from speculators.eagle import DEFAULT_DEPTH, SPECULATOR as EAGLE
 from speculators.base import IGNORE, ProposalRequest
-from speculators.training import Sample, autocast, dense_causal_attention, optimizer_with_schedule, target_states
+from training.common import Sample, autocast, dense_causal_attention, optimizer_with_schedule, target_states
 from runtime.draft_tree import DraftTree
 
 

@@ -1,4 +1,4 @@
-"""Medusa heads' self-distillation (the corpus and the target's states: speculators/training.py).
+"""Medusa heads' self-distillation (the corpus and the target's states: training/common.py).
 
 Head k learns, from the target's final hidden state at position p (and, for heads that
 read it, the written token at p + 1: the tree's root at serving time), the target's greedy
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from speculators.base import IGNORE
-from speculators.training import Sample, autocast, optimizer_with_schedule, target_states
+from training.common import Sample, autocast, optimizer_with_schedule, target_states
 
-log = logging.getLogger("speculators.training")
+log = logging.getLogger("training.medusa")
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ a prompt set, and heads learn to predict what the target does next.
      read at serving time, its greedy next token at every position and, for soft labels,
      its top next-token probabilities.
 
-The heads' own data, losses and loops: speculators/training_medusa.py and
-speculators/training_eagle.py.
+The heads' own data, losses and loops: training/medusa.py and training/eagle.py. The
+prompt sets and the default model's answers are in training/data/.
 """
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
+
+
+DATA = Path(__file__).resolve().parent / "data"  # the prompt sets and the default model's answers
 
 
 @dataclass(slots=True)
@@ -32,27 +34,26 @@ class Sample:
 
 
 def default_prompt_file(split: str = "train") -> Path:
-    """The prompt sets shipped with the package: 'train' (424 prompts, trains in minutes),
-    'train_large' (2,265, scripts/make_prompts.py), 'train_varied' (1,424 of other request
+    """The prompt sets in training/data: 'train' (424 prompts, trains in minutes),
+    'train_large' (2,265, training/make_prompts.py), 'train_varied' (1,424 of other request
     kinds, make_prompts.py --varied) or 'heldout'."""
-    return Path(str(resources.files("speculators") / "data" / f"{split}_prompts.jsonl"))
+    return DATA / f"{split}_prompts.jsonl"
 
 
-SHIPPED_CORPORA = {  # model alias -> its answers in speculators/data, greedy first
+SHIPPED_CORPORA = {  # model alias -> its answers in training/data, greedy first
     "smollm2-135m": ("smollm2-135m-train-large-greedy.jsonl.gz", "smollm2-135m-train-large-t0.8.jsonl.gz",
                      "smollm2-135m-train-varied-greedy.jsonl.gz"),
 }
 
 
 def shipped_corpora(model: str) -> list[Path]:
-    """The answers shipped with the package for this model (none for other models), 192
+    """The answers in training/data for this model (none for other models), 192
     tokens at most: the default model's answers to the 2,265 'train_large' prompts, first
     greedy (float32; 79 minutes on a 2-core AVX2 CPU), then sampled at temperature 0.8
     (bf16, seed 2265 + the prompt's index, as a second --corpus writes them; 35 minutes on
     a 2-core AMX Xeon); then its greedy answers to the 1,424 'train_varied' prompts (bf16;
     14 minutes on a 2-core AVX-512 BF16 EPYC)."""
-    folder = resources.files("speculators") / "data"
-    paths = [Path(str(folder / name)) for name in SHIPPED_CORPORA.get(model, ())]
+    paths = [DATA / name for name in SHIPPED_CORPORA.get(model, ())]
     return [path for path in paths if path.exists()]
 
 
@@ -135,9 +136,12 @@ def add_self_distillation_args(parser) -> None:
                    help="the sampling temperature of the second and later corpora (default: 0.8)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--val-fraction", type=float, default=0.05, help="answers held out for validation")
+    p.add_argument("--max-answers", type=int, default=None, metavar="N",
+                   help="train on N of the training answers, drawn at random (seeded by --seed) from all the "
+                        "corpora (default: all): the target's states cost ~0.3 s an answer on a 2-core CPU")
     p.add_argument("--val-prompts", default=None,
                    help="validate on the target's greedy answers to these prompts instead (e.g. the held-out "
-                        "speculators/data/heldout_prompts.jsonl: acceptance on prompts of a kind training never "
+                        "training/data/heldout_prompts.jsonl: acceptance on prompts of a kind training never "
                         "saw); the answers are written once to OUT/val-corpus.jsonl")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (the target and the training)")
     p.add_argument("--dtype", default="auto", help="the target's dtype while writing the corpus (default: auto)")
@@ -188,6 +192,10 @@ def self_distillation_corpus(args):
         val, corpora[0] = corpora[0][:num_val], corpora[0][num_val:]
     val_prompts = {tuple(s.token_ids[:s.num_prompt_tokens]) for s in val}
     train = [s for samples in corpora for s in samples if tuple(s.token_ids[:s.num_prompt_tokens]) not in val_prompts]
+    if getattr(args, "max_answers", None) is not None and args.max_answers < len(train):
+        import random
+        train = random.Random(args.seed).sample(train, args.max_answers)
+        print(f"training on {len(train)} answers drawn at random from the corpora")
     return engine, train, val
 
 
