@@ -42,6 +42,7 @@ import torch
 from runtime.block_manager import BlockManager
 from speculators.base import ProposalRequest, Proposer, frozen_on, prepare_head
 from speculators.eagle_heads import Eagle3Head, EagleHead, load_head
+from speculators.heads import shipped_eagle_head
 from runtime.draft_tree import DraftTree
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
 from target_gpu.kv_cache import KVCache
@@ -240,14 +241,18 @@ DEFAULT_DEPTH = 5  # EAGLE-2 expansion steps, the deepest draft
 
 
 def build_eagle_proposer(config, target) -> EagleProposer:
-    """The head of config.eagle_head where config.draft_device says, sharing the target's
-    embedding and LM head (copied there when the device or dtype differs)."""
-    if not config.eagle_head:
+    """The head of config.eagle_head (else the head shipped for the default model:
+    speculators.heads) where config.draft_device says, sharing the target's embedding and
+    LM head (copied there when the device or dtype differs)."""
+    path = config.eagle_head or shipped_eagle_head(config.model)
+    if not path:
         raise ValueError("speculator 'eagle' needs a trained head: --eagle-head DIR (see scripts/train_eagle.py)")
+    log.info("EAGLE head: %s (%s)", path, "--eagle-head" if config.eagle_head else
+             "shipped for the default model: speculators/heads")
     model = target.model
     device = config.resolved_draft_device(target.device)
     dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
-    head = load_head(config.eagle_head, model.config, model.embed_tokens, model.lm_head).to(device=device, dtype=dtype)
+    head = load_head(path, model.config, model.embed_tokens, model.lm_head).to(device=device, dtype=dtype)
     uses_lm_head = isinstance(head, EagleHead)  # an EAGLE-3 head has its own
     head.set_shared(frozen_on(model.embed_tokens, device, dtype),
                     frozen_on(model.lm_head, device, dtype) if uses_lm_head else None)
@@ -263,10 +268,10 @@ def build_eagle_proposer(config, target) -> EagleProposer:
 SPECULATOR = Speculator(
     "eagle", build_eagle_proposer, num_speculative_tokens=16, tree_width=4,
     settings=(Setting("eagle_head", None, "speculator eagle: a trained EAGLE head (a directory or file in the "
-                      "public EAGLE layout; python -m scripts.train_eagle makes one); it runs where --draft-device "
-                      "says"),
+                      "public EAGLE layout; python -m scripts.train_eagle makes one; default: the EAGLE-3 head "
+                      "shipped for the default model); it runs where --draft-device says"),
               Setting("eagle_depth", DEFAULT_DEPTH, "speculator eagle: EAGLE-2 expansion steps, the deepest draft; "
                       "--speculative-tree-width is the top-k expanded per step", int, minimum=1),
               *DRAFT_PLACEMENT),
-    requires=lambda config: None if config.eagle_head else (
+    requires=lambda config: None if config.eagle_head or shipped_eagle_head(config.model) else (
         "a trained head: --eagle-head DIR (or eagle_head=...; python -m scripts.train_eagle trains one)"))

@@ -157,8 +157,8 @@ def test_bad_combined_names_fail_clearly(name):
 
 
 def test_config_and_cli_know_combined_speculators():
-    with pytest.raises(ValueError, match="needs a trained head"):
-        EngineConfig(speculator="eagle+lookahead")
+    with pytest.raises(ValueError, match="needs a trained head"):  # a model without a shipped EAGLE head
+        EngineConfig(model="another-model.gguf", speculator="eagle+lookahead")
     config = EngineConfig(speculator="ngram+lookahead")
     assert config.speculative_tokens("ngram+lookahead") == 4 + 8  # the parts' defaults
     assert config.tree_width("lookahead+ngram") == 3  # the first part's
