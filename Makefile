@@ -42,7 +42,7 @@ test-transformers5: venv
 	PYTHONPATH=$(TF5_SITE) $(PY) -m pytest -q tests
 
 bench: venv
-	$(PY) scripts/bench_decode.py
+	$(PY) -m scripts.bench_decode
 
 clean:
 	rm -rf $(VENV)

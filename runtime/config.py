@@ -76,8 +76,8 @@ class EngineSettings:
         return device
 
     def resolved_dtype(self, device: torch.device) -> str:
-        """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX: 4x faster matmuls than
-        float32; AVX-512 BF16: 2.7x), float32 otherwise (oneDNN would emulate bf16)."""
+        """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX, AVX-512 BF16: faster
+        matmuls than float32), float32 otherwise (oneDNN would emulate bf16)."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.type == "cuda" or cpu_has_bf16_math() else "float32"
@@ -152,11 +152,12 @@ def add_engine_args(parser) -> None:
                              "machine, seconds once Inductor's cache has it)")
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
-                             "them once into oneDNN's blocked layout (1.3x faster decode steps measured)")
+                             "them once into oneDNN's blocked layout")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
-                             "(Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float; an HF checkpoint as "
-                             "stored), none dequantizes to --dtype, int8/int4 quantize every linear layer")
+                             "(Q4_x/Q4_K/Q5_K/Q2_K/Q3_K -> int4, Q5_0/Q5_1/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> "
+                             "float; an HF checkpoint as stored), none dequantizes to --dtype, int8/int4 quantize "
+                             "every linear layer")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", type=_speculator_arg, metavar="{" + ",".join(registry.names()) + "}[+...]",
                    help=f"proposer of draft tokens (default: {d['speculator']}); several joined by '+' draft "

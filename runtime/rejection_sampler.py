@@ -32,6 +32,7 @@ import torch
 
 from runtime.sampling import target_probs
 from runtime.sampling_params import SamplingParams
+from runtime.verify_layout import VerifyLayout, root_rows
 
 
 @dataclass(slots=True)
@@ -70,16 +71,17 @@ class RejectionSampler:
         else:
             self.generator.seed()
 
+    def verify(self, logits: torch.Tensor, layout: VerifyLayout) -> list[Verdict]:
+        """One Verdict per sampling sequence of a step's layout; logits [R, V] as it says."""
+        seqs = layout.sampled_seqs
+        return self(logits, layout.sampled_trees, [s.params for s in seqs], [s.generator for s in seqs])
+
     def __call__(self, logits: torch.Tensor, trees: list, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[Verdict]:
         """logits [R, V] with 1 + len(tree) rows per sequence (root, then node 0, 1, ...);
         trees: DraftTree per sequence (runtime.draft_tree); one Verdict per sequence."""
-        row_starts = []
-        num_rows = 0
-        for tree in trees:
-            row_starts.append(num_rows)
-            num_rows += 1 + len(tree)
-        assert logits.shape[0] == num_rows, (logits.shape, num_rows)
+        row_starts = root_rows(trees)  # runtime.verify_layout: the logits layout
+        assert logits.shape[0] == sum(1 + len(tree) for tree in trees), (logits.shape, len(trees))
         if all(p.is_greedy for p in params):
             argmax = logits.argmax(dim=-1).tolist()
             return [_walk_greedy(tree, argmax, start) for tree, start in zip(trees, row_starts)]

@@ -127,6 +127,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_text: str = ""
     generator: torch.Generator | None = None
+    speculator: str = "none"  # who drafts for it (a speculators.registry name), resolved when it is added
     draft_tree: DraftTree | None = None  # this step's proposal, set by the engine before scheduling
     # the target's output for the last token, kept only when a proposer asks for it
     last_logits: torch.Tensor | None = None  # [V]

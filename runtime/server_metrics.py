@@ -140,7 +140,7 @@ class _EngineStatsCollector:
                                        labels=["proposer"])
         disabled = GaugeMetricFamily("heterospec_spec_proposer_disabled", "1 while a proposer's circuit breaker "
                                      "keeps its requests decoding without speculation", labels=["proposer"])
-        for name, breaker in list(self.engine.breakers.items()):
+        for name, breaker in list(self.engine.pool.breakers.items()):
             failures.add_metric([name], breaker.num_failures)
             disabled.add_metric([name], float(breaker.is_open))
         yield failures

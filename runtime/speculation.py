@@ -12,9 +12,8 @@ Two things are measured as the engine runs:
     prefill, forgetting old steps, so b is the marginal cost of one more verified token
     in the current regime (nearly free when memory-bound, a full token's compute when
     the batch is large). Steps with and without drafts get separate fits: on a CPU the
-    first extra token of a step costs far more than the next ones (measured here with
-    SmolLM2 in bf16: 1 token 48 ms, 2 tokens 58 ms, 16 tokens 62 ms, as oneDNN leaves
-    its matrix-vector kernel), which one line through both would hide.
+    first extra token of a step costs far more than the next ones (oneDNN leaves its
+    matrix-vector kernel), which one line through both would hide.
 
 A third measure is the proposers' own drafting time (a draft model runs one forward per
 depth, for all its sequences at once; n-gram lookups cost about nothing), fitted like

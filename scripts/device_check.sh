@@ -88,19 +88,19 @@ run() {
     echo "== benchmarks"
     : > "$out/bench.md"
     if [ $have_model = 1 ]; then
-        timeout 150 $PY scripts/bench_gpu.py --model smollm2-135m --draft-model smollm2-135m --max-tokens 64 \
+        timeout 150 $PY -m scripts.bench_gpu --model smollm2-135m --draft-model smollm2-135m --max-tokens 64 \
             --systems plain,plain-eager,lookahead,draft-cpu-serial,draft-cpu-overlap,draft-gpu \
             --label "SmolLM2-135M (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
         if [ -f "$STAGE/eagle3-head/model.safetensors" ]; then
-            timeout 120 $PY scripts/bench_gpu.py --model smollm2-135m --eagle-head "$STAGE/eagle3-head" \
+            timeout 120 $PY -m scripts.bench_gpu --model smollm2-135m --eagle-head "$STAGE/eagle3-head" \
                 --max-tokens 64 --concurrency 1,8 --requests-per-slot 4 \
                 --systems plain,eagle-host,eagle-target,eagle-target-wide \
                 --label "SmolLM2-135M, EAGLE-3 head" 2>"$out/bench_eagle.log" | tee -a "$out/bench.md"
         fi
     fi
-    $PY scripts/make_random_model.py --shape qwen2.5-1.5b --out "$STAGE/qwen15" >/dev/null
-    $PY scripts/make_random_model.py --shape qwen2.5-0.5b --out "$STAGE/qwen05" >/dev/null
-    timeout 180 $PY scripts/bench_gpu.py --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" --max-tokens 32 \
+    $PY -m scripts.make_random_model --shape qwen2.5-1.5b --out "$STAGE/qwen15" >/dev/null
+    $PY -m scripts.make_random_model --shape qwen2.5-0.5b --out "$STAGE/qwen05" >/dev/null
+    timeout 180 $PY -m scripts.bench_gpu --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" --max-tokens 32 \
         --fixed-speculation 4 --repeats 1 --systems plain,plain-eager,draft-cpu-overlap,draft-gpu \
         --label "random Qwen2.5 1.5B (draft: random 0.5B)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
     echo; echo "== summary"; tail -3 "$out/tests.txt"; cat "$out/bench.md"

@@ -76,9 +76,9 @@ def prepare_head(head: torch.nn.Module, config, device: torch.device) -> str:
     """A speculation head on the CPU runs through the draft model's backend and quantization
     (--draft-backend, --draft-quantization; draft_cpu.backends), applied to its own layers
     only: the target's shared embedding and LM head are not its submodules. "auto" is the
-    torch backend here (bf16 weights prepacked for oneDNN: an EAGLE-3 head's propose 10.0 ->
-    7.3 ms): IPEX made an EAGLE head slower (its few-row matmuls change shape every drafting
-    step) and its bf16 drafts a little worse (README, Medusa and EAGLE heads).
+    torch backend here (bf16 weights prepacked for oneDNN, faster for a head): IPEX made an
+    EAGLE head slower (its few-row matmuls change shape every drafting step) and its bf16
+    drafts a little worse (docs/speculators.md, Medusa and EAGLE heads).
     Returns a note for the start-up log ('' off the CPU)."""
     if device.type != "cpu":
         return ""

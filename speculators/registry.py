@@ -65,9 +65,10 @@ _BUILT_IN = (
 _registry: dict[str, Speculator] = {}
 
 
-def register(spec: Speculator) -> None:
+def register(spec: Speculator, replace: bool = False) -> None:
+    """Add a speculator (replace=True: or put it in the place of one of that name)."""
     _load_built_in()
-    if spec.name in _registry or spec.name == NONE or "+" in spec.name:
+    if (spec.name in _registry and not replace) or spec.name == NONE or "+" in spec.name:
         raise ValueError(f"speculator name {spec.name!r} is taken or not allowed")
     for setting in spec.settings:
         other = next((s for s in all_settings() if s.name == setting.name), setting)

@@ -45,6 +45,16 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
 
+def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory: str | int | float | None,
+                  device: torch.device, default_fraction: float) -> tuple[int, int]:
+    """(blocks that the memory spec holds, bytes per block); ValueError when none fits."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    pool_bytes = parse_memory(memory, device, default_fraction)
+    if pool_bytes < per_block:
+        raise ValueError(f"KV cache memory of {pool_bytes} bytes holds no block (one block is {per_block} bytes)")
+    return pool_bytes // per_block, per_block
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):

@@ -39,37 +39,40 @@ def engine_f32():
     from runtime.engine import LLMEngine
 
     engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
+    config = engine.config
     yield engine
     assert not engine.has_unfinished, "a test left requests in the shared engine"
+    assert engine.config == config, "a test reconfigured the shared engine (use tests.helpers.new_engine)"
+
+
+@pytest.fixture(scope="session")
+def head_engine_f32():
+    """A float32 engine on the default model for tests that load speculation heads into it
+    (engine_f32 itself is never reconfigured)."""
+    from tests.helpers import new_engine
+
+    engine = new_engine()
+    yield engine
+    engine.close()
 
 
 @pytest.fixture
-def eagle_engine(engine_f32):
-    """engine_f32 pointed at an EAGLE head: use(head_dir, adaptive, num_tokens, width,
-    backend, quantization) loads it afresh with those settings. Afterwards everything is
-    put back, the proposers dropped (the target hands out no feature layers any more) and
-    every KV block must be free again."""
-    engine = engine_f32
-    config = engine.config
-    fields = ("eagle_head", "num_speculative_tokens", "speculative_tree_width", "draft_backend", "draft_quantization")
-    saved = {name: getattr(config, name) for name in fields}
-    saved_adaptive = engine.spec_controller.adaptive
+def eagle_engine(head_engine_f32):
+    """head_engine_f32 pointed at an EAGLE head: use(head_dir, adaptive, num_tokens, width,
+    backend, quantization) loads it afresh with those settings (LLMEngine.update_speculation:
+    fresh proposers and controller). Afterwards every KV block must be free again."""
+    engine = head_engine_f32
 
     def use(head_dir, adaptive=True, num_tokens=None, width=None, backend="auto", quantization="none"):
-        engine.proposers.pop("eagle", None)
-        engine.spec_controller.adaptive = adaptive
-        for name, value in zip(fields, (str(head_dir), num_tokens, width, backend, quantization)):
-            setattr(config, name, value)
+        engine.update_speculation(eagle_head=str(head_dir), adaptive_speculation=adaptive,
+                                  num_speculative_tokens=num_tokens, speculative_tree_width=width,
+                                  draft_backend=backend, draft_quantization=quantization)
         return engine
 
     yield use
-    for name, value in saved.items():
-        setattr(config, name, value)
-    engine.spec_controller.adaptive = saved_adaptive
-    engine.proposers.clear()
-    engine.sync_feature_layers()
+    engine.update_speculation(eagle_head=None, adaptive_speculation=True, num_speculative_tokens=None,
+                              speculative_tree_width=None, draft_backend="auto", draft_quantization="auto")
     assert engine.runner.feature_layers == ()
-    engine.spec_controller.requests.clear()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

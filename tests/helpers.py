@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from runtime.sampling_params import SamplingParams
+from speculators.registry import Speculator, register
 
 
 def greedy(max_tokens: int = 32, **kwargs) -> SamplingParams:
@@ -34,3 +35,18 @@ def run_to_completion(engine, prompts, params, max_steps: int = 100_000) -> list
             if rid not in finished:
                 engine.abort(rid)
     return [finished[rid] for rid in ids]
+
+
+def toy_speculator(name: str, proposer, num_speculative_tokens: int = 4, tree_width: int = 1) -> str:
+    """Register a speculator whose proposer is the given object (replacing a toy of that
+    name); a request asks for it by name. Returns the name."""
+    register(Speculator(name, lambda config, target: proposer, num_speculative_tokens, tree_width), replace=True)
+    return name
+
+
+def new_engine(**settings):
+    """A float32 CPU engine on the default model of its own (the session's engine_f32 is
+    never reconfigured), eager, with these settings."""
+    from runtime.engine import LLMEngine
+    defaults = dict(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
+    return LLMEngine(**{**defaults, **settings})

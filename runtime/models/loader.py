@@ -12,7 +12,8 @@ Nothing is ever downloaded: the HF hub is forced offline before transformers is 
 `quantization` says what form the linear layers' weights take (the embedding table and the
 norms stay float):
   - ``auto``: a GGUF file's precision class, per tensor (quantized_weight.gguf_precision_bits:
-    Q4_x/Q5_x -> int4, Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float); an HF directory as stored
+    Q4_x/Q4_K/Q5_K/Q2_K/Q3_K -> int4, Q5_0/Q5_1/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> float); an
+    HF directory as stored
     (GPTQ and AWQ int4 as int4, FP8 upcast to float: runtime.models.hf_quantized);
   - ``none``: float (a GGUF file dequantized at load, as before quantized kernels existed);
   - ``int4`` / ``int8``: every linear layer, unpacked exactly where the formats map, else

@@ -11,8 +11,8 @@ Kernels (activations stay in the model's dtype; only the weight is quantized):
   - DequantizingLinear: int4 weights of a float32 model, dequantized per call exactly as
     ggml does (s q + o, float32) into a float32 matmul. float32 is the exactness mode (the
     tests' reference); the int4 kernels' bf16 rounding would break it, and the CPU
-    kernel's float32 variant is not vectorised (10-20x slower than its bf16 one on an
-    AVX-512 EPYC, slower than dequantizing at every row count).
+    kernel's float32 variant is not vectorised (slower than dequantizing at every row
+    count).
   - Int8Linear, CPU: `aten._weight_int8pack_mm` (per-row scales); elsewhere a dequantizing
     matmul. With a float layer kept beside it (the draft's --draft-quantization int8 on a
     float model), inputs of more rows than int8 wins at run through the float layer.

@@ -285,21 +285,23 @@ def test_eviction_under_a_tiny_pool_keeps_outputs_and_blocks(generate):
     assert not cached.scheduler.has_unfinished and not cached.requests
 
 
-def test_eagle_requests_do_not_read_the_cache(engine_f32):
+def test_eagle_requests_do_not_read_the_cache():
     """A proposer that reads the target's features of every token (EAGLE) needs them
     computed: such sequences take nothing from the cache."""
-    class FeatureReader:
+    from speculators.ngram import NGramProposer
+    from tests.helpers import new_engine, toy_speculator
+
+    class FeatureReader(NGramProposer):
         needs_features = True
 
-        def release(self, request_id: str) -> None:
-            pass
-
-    engine_f32.proposers["eagle"] = FeatureReader()
-    try:
-        rid = engine_f32.add_request(shared_prefix(engine_f32, 40), SamplingParams(max_tokens=1, speculator="eagle"))
-        seq: Sequence = engine_f32.requests[rid].seq
-        assert not seq.reads_prefix_cache
-        assert engine_f32.block_manager.claim_cached_prefix(seq) == 0
-    finally:
-        engine_f32.abort(rid)
-        del engine_f32.proposers["eagle"]
+    engine = new_engine()
+    name = toy_speculator("feature-reader", FeatureReader())
+    generate_warm = engine.add_request(shared_prefix(engine, 40), SamplingParams(max_tokens=1))
+    while engine.has_unfinished:  # the prefix is in the cache now
+        engine.step()
+    rid = engine.add_request(shared_prefix(engine, 40), SamplingParams(max_tokens=1, speculator=name))
+    seq: Sequence = engine.requests[rid].seq
+    assert generate_warm != rid and not seq.reads_prefix_cache
+    assert engine.block_manager.claim_cached_prefix(seq) == 0
+    engine.abort(rid)
+    engine.close()

@@ -25,9 +25,8 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
-from runtime.speculation import SpeculationController
 from runtime.draft_tree import DraftTree
-from tests.helpers import greedy
+from tests.helpers import greedy, new_engine, toy_speculator
 
 ATOL = 1e-4
 RTOL = 1e-5  # float32 logits of ~20 in size: reduction order (thread count, kernels) moves them by ~1e-4
@@ -44,17 +43,22 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture
-def spec_engine(engine_f32):
-    """The shared engine with its speculation settings restored afterwards."""
-    engine = engine_f32
-    config = engine.config
-    saved = (config.speculative_tree_width, config.num_speculative_tokens, engine.spec_controller.adaptive)
+@pytest.fixture(scope="module")
+def module_engine():
+    """This module's own engine: its tests change how it speculates (never engine_f32's)."""
+    engine = new_engine()
     yield engine
-    config.speculative_tree_width, config.num_speculative_tokens, engine.spec_controller.adaptive = saved
-    engine.proposers.clear()
-    engine.spec_controller.requests.clear()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
+
+
+@pytest.fixture
+def spec_engine(module_engine):
+    """module_engine with the default speculation settings, fresh proposers and controller;
+    every block free again afterwards."""
+    module_engine.update_speculation(speculative_tree_width=None, num_speculative_tokens=None,
+                                     adaptive_speculation=True)
+    yield module_engine
+    assert module_engine.block_manager.num_free_blocks == module_engine.block_manager.num_blocks
 
 
 # ---- tree verification on the target against HF -------------------------------------------------
@@ -146,7 +150,7 @@ def plain_outputs(engine_f32, generate):
 
 @pytest.mark.parametrize("speculator, width", [("ngram", 1), ("lookahead", 1), ("lookahead", 3)])
 def test_greedy_speculation_is_lossless_batched(spec_engine, generate, plain_outputs, speculator, width):
-    spec_engine.config.speculative_tree_width = width
+    spec_engine.update_speculation(speculative_tree_width=width)
     draft_before = spec_engine.stats.num_draft_tokens
     outputs = generate(spec_engine, PROMPTS, greedy(speculator=speculator))
     for i, (out, ref) in enumerate(zip(outputs, plain_outputs)):
@@ -158,8 +162,7 @@ def test_mostly_rejected_drafts_stay_lossless_and_return_every_block(spec_engine
     """Fixed long drafts (no adaptive sizing) from single-token matches on open text: most
     drafts miss; the output is still plain decoding's, and the pool is whole afterwards."""
     engine = spec_engine
-    engine.spec_controller.adaptive = False
-    engine.config.speculative_tree_width = 2
+    engine.update_speculation(adaptive_speculation=False, speculative_tree_width=2)
     stats = engine.stats
     drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     params = greedy(speculator="lookahead", num_speculative_tokens=12)
@@ -172,7 +175,7 @@ def test_mostly_rejected_drafts_stay_lossless_and_return_every_block(spec_engine
 
 def test_blocks_held_match_committed_tokens_after_every_step(spec_engine):
     engine = spec_engine
-    engine.spec_controller.adaptive = False
+    engine.update_speculation(adaptive_speculation=False)
     bm = engine.block_manager
     ids = [engine.add_request(p, greedy(60, speculator="lookahead", num_speculative_tokens=10)) for p in PROMPTS]
     try:
@@ -243,12 +246,12 @@ def test_seeded_sampling_with_one_hot_speculation_equals_plain_sampling(spec_eng
 
 def test_request_overrides_and_bad_settings(spec_engine):
     engine = spec_engine
-    with pytest.raises(ValueError, match="eagle-head"):  # eagle: this engine has no EAGLE head
-        engine.add_request("hi", SamplingParams(speculator="eagle"))
+    with pytest.raises(ValueError, match="medusa-heads"):  # medusa: this engine has no Medusa heads
+        engine.add_request("hi", SamplingParams(speculator="medusa"))
     with pytest.raises(ValueError, match="without one"):  # draft: this engine has no draft model
         engine.add_request("hi", SamplingParams(speculator="draft"))
-    with pytest.raises(ValueError, match="unknown speculator"):
-        SamplingParams(speculator="medusa2")
+    with pytest.raises(ValueError, match="unknown speculator"):  # the engine knows its speculators
+        engine.add_request("hi", SamplingParams(speculator="medusa2"))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=-1)
     assert not engine.has_unfinished
@@ -266,7 +269,7 @@ def test_generate_cli_speculates_and_reports(tmp_path, spec_engine, capsys):
     llm = LLM.__new__(LLM)
     llm.engine, llm.tokenizer, llm.last_summary = spec_engine, spec_engine.tokenizer, None
     lines = [{"prompt": COPY_PROMPT, "max_tokens": 20, "temperature": 0, "speculator": "lookahead"},
-             {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "speculator": "eagle"},
+             {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "speculator": "medusa"},
              {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "num_speculative_tokens": -2}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -275,7 +278,7 @@ def test_generate_cli_speculates_and_reports(tmp_path, spec_engine, capsys):
     [record] = [json.loads(line) for line in dst.read_text().splitlines()]
     assert record["metrics"]["num_verify_steps"] > 0 and record["metrics"]["mean_acceptance_length"] > 1
     err = capsys.readouterr().err
-    assert "in.jsonl:2: skipped" in err and "eagle-head" in err
+    assert "in.jsonl:2: skipped" in err and "medusa-heads" in err
     assert "in.jsonl:3: skipped" in err and "acceptance" in err
 
 
@@ -283,8 +286,8 @@ def test_generate_cli_refuses_a_speculator_without_its_head(tmp_path, capsys):
     from runtime import generate as cli
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "hi"}\n')
-    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--speculator", "eagle"]) == 2
-    assert "eagle-head" in capsys.readouterr().err
+    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--speculator", "medusa"]) == 2
+    assert "medusa-heads" in capsys.readouterr().err
 
 
 def test_proposers_asking_for_them_get_the_targets_logits_and_hidden_state_at_the_last_token(spec_engine, generate):
@@ -305,13 +308,9 @@ def test_proposers_asking_for_them_get_the_targets_logits_and_hidden_state_at_th
                 seen.append((list(r.token_ids), r.last_logits, r.last_hidden))
             return super().propose(requests)
 
-    engine.proposers["ngram"] = Recording(1, 3)
-    adaptive, engine.spec_controller.adaptive = engine.spec_controller.adaptive, False  # propose every step
-    try:
-        generate(engine, [COPY_PROMPT, PROMPTS[2]], greedy(24, speculator="ngram"))
-    finally:
-        engine.proposers.clear()
-        engine.spec_controller.adaptive = adaptive
+    name = toy_speculator("recording-ngram", Recording(1, 3))
+    engine.update_speculation(adaptive_speculation=False)  # propose every step
+    generate(engine, [COPY_PROMPT, PROMPTS[2]], greedy(24, speculator=name))
     assert len(seen) > 10  # adaptive, a noisy machine once found drafting not worth it (2 calls)
     for token_ids, logits, hidden in seen:
         assert int(logits.argmax()) == token_ids[-1]
@@ -328,8 +327,8 @@ def test_the_controller_hears_which_tree_nodes_were_accepted(spec_engine, genera
     [plain] = generate(engine, [PROMPTS[3]], greedy(24))
     expected = plain
 
-    class Oracle(Proposer):  # stands in for ngram, as a known speculator name
-        name = "ngram"
+    class Oracle(Proposer):
+        name = "oracle"
 
         def propose(self, requests):
             trees = []
@@ -340,21 +339,17 @@ def test_the_controller_hears_which_tree_nodes_were_accepted(spec_engine, genera
             return trees
 
     heard = []
-    saved = engine.spec_controller
-    controller = engine.spec_controller = SpeculationController(adaptive=False)
+    engine.update_speculation(adaptive_speculation=False)
+    controller = engine.pool.controller
     observe_tree = controller.observe_tree
 
     def spy(request_id, node_depths, accepted_nodes):
         heard.append((list(node_depths), list(accepted_nodes)))
         observe_tree(request_id, node_depths, accepted_nodes)
 
-    controller.observe_tree = spy
-    engine.proposers["ngram"] = Oracle()
-    engine.config.num_speculative_tokens = 3
-    try:
-        [out] = generate(engine, [PROMPTS[3]], greedy(22, speculator="ngram"))
-    finally:
-        engine.spec_controller = saved
+    controller.observe_tree = spy  # listens in; the engine's own controller still decides
+    name = toy_speculator("oracle", Oracle())
+    [out] = generate(engine, [PROMPTS[3]], greedy(22, speculator=name, num_speculative_tokens=3))
     assert out == expected[:22]
     for depths, accepted in heard:  # the last step's tree is cut to what max_tokens leaves
         assert depths == [1, 1, 2][:len(depths)] and accepted == [1, 2][:len(depths) - 1], heard

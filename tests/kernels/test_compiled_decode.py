@@ -53,7 +53,7 @@ def test_compiled_draft_model_gives_plain_eager_decodings_tokens(compiled_engine
                        draft_backend="torch",
                        num_speculative_tokens=3, adaptive_speculation=False)
     try:
-        worker = engine.proposers["draft"].worker
+        worker = engine.pool.get("draft").worker
         assert worker.runner.compiled_decode is not None
         calls, restore = counting(worker.runner)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -23,6 +23,7 @@ from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.serve import build_app  # noqa: E402
 from speculators import Proposer  # noqa: E402
 from test_server import eventually, metric, run_directly, serving, sse_events, wait_idle  # noqa: E402
+from tests.helpers import toy_speculator
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -232,7 +233,7 @@ def test_a_request_that_fails_alone_is_a_500(server, monkeypatch):
     request: a 500, or an error event when streaming. The server goes on serving, with the
     same outputs as before."""
     base_url, engine = server
-    detokenizer = engine.detokenizer
+    detokenizer = engine.outputs.detokenizer
     delta = detokenizer.delta
     poisoned = engine.tokenize("Poisoned prompt:")
 
@@ -275,18 +276,18 @@ class ExplodingProposer(Proposer):
 
 
 def test_failing_proposer_opens_its_breaker_and_requests_decode_plain():
-    engine = make_engine(max_num_seqs=4, speculator="ngram")
+    exploding = ExplodingProposer()
+    engine = make_engine(max_num_seqs=4, speculator=toy_speculator("exploding", exploding))
     plain = run_directly(engine, COPY, SamplingParams(max_tokens=24, temperature=0, speculator="none"))
-    exploding = engine.proposers["ngram"] = ExplodingProposer()
     async_engine = AsyncEngine(engine)
     try:
         with serving(build_app(async_engine, MODEL)) as base_url:
             text = run_directly_via_http(base_url, {"prompt": COPY, "max_tokens": 24, "temperature": 0})
             assert text == plain
-            breaker = engine.breakers["ngram"]
+            breaker = engine.pool.breakers["exploding"]
             assert breaker.is_open and exploding.calls == breaker.max_failures
-            assert metric(base_url, 'heterospec_spec_proposer_failures_total{proposer="ngram"}') == 3
-            assert metric(base_url, 'heterospec_spec_proposer_disabled{proposer="ngram"}') == 1
+            assert metric(base_url, 'heterospec_spec_proposer_failures_total{proposer="exploding"}') == 3
+            assert metric(base_url, 'heterospec_spec_proposer_disabled{proposer="exploding"}') == 1
             assert httpx.get(f"{base_url}/health").status_code == 200
     finally:
         async_engine.shutdown()

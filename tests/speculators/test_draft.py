@@ -98,7 +98,7 @@ def test_self_draft_is_lossless_and_accepted(self_draft_engine):
 @pytest.fixture
 def overlapping(self_draft_engine):
     """The self-draft engine drafting ahead while the target verifies."""
-    proposer = self_draft_engine.proposers["draft"]
+    proposer = self_draft_engine.pool.get("draft")
     proposer.overlap = True
     yield self_draft_engine
     proposer.overlap = False
@@ -114,7 +114,7 @@ def test_drafting_ahead_is_lossless_and_overlaps(overlapping, monkeypatch):
     forwards ahead that a head start takes (the first one only yields the token that must
     match the target's bonus token)."""
     engine = overlapping
-    proposer = engine.proposers["draft"]
+    proposer = engine.pool.get("draft")
     execute = engine.runner.execute
 
     def slow_execute(*args, **kwargs):
@@ -165,7 +165,7 @@ def test_ipex_bf16_draft_is_lossless():
         pytest.skip("intel_extension_for_pytorch does not import here")
     engine = make_engine("smollm2-135m", draft_dtype="bfloat16", draft_backend="ipex")
     try:
-        assert engine.proposers["draft"].worker.backend == "ipex"
+        assert engine.pool.get("draft").worker.backend == "ipex"
         rate = check_lossless(engine, PROMPTS[:2])
     finally:
         engine.close()
@@ -185,7 +185,7 @@ def test_sampled_requests_are_reproducible_with_fixed_drafts(self_draft_engine):
 
 
 def test_failing_worker_degrades_to_plain_decoding(self_draft_engine, caplog, monkeypatch):
-    worker = self_draft_engine.proposers["draft"].worker
+    worker = self_draft_engine.pool.get("draft").worker
     calls = {"n": 0}
     real_forward = worker.forward
 
@@ -207,7 +207,7 @@ def test_failing_worker_degrades_to_plain_decoding(self_draft_engine, caplog, mo
 # ---- the worker ---------------------------------------------------------------------------------
 
 def test_rollback_matches_fresh_prefill(self_draft_engine):
-    worker = self_draft_engine.proposers["draft"].worker
+    worker = self_draft_engine.pool.get("draft").worker
     rng = torch.Generator().manual_seed(0)
     prompt = self_draft_engine.tokenize(PROMPTS[1])
     vocab = self_draft_engine.model_config.vocab_size
