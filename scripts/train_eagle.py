@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head
-from training.common import add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus
+from training.common import (add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus,
+                             trainable_lm_head)
 from training.eagle import eagle_data, train_eagle
 
 
@@ -65,10 +66,11 @@ def parse_args(argv=None):
 
 def new_head(args, model, train_samples):
     """The head to train: from --init-head, else a new EAGLE-1 or EAGLE-3 head."""
+    lm_head = trainable_lm_head(model.lm_head)  # an EAGLE-1 head trains through the target's
     if args.init_head:
-        return load_head(args.init_head, model.config, model.embed_tokens, model.lm_head).float()
+        return load_head(args.init_head, model.config, model.embed_tokens, lm_head).float()
     if not args.eagle3:
-        return EagleHead(model.config, model.embed_tokens, model.lm_head).float()
+        return EagleHead(model.config, model.embed_tokens, lm_head).float()
     layers = tuple(int(j) for j in args.feature_layers.split(",")) if args.feature_layers else None
     vocab = draft_vocabulary(train_samples, args.draft_vocab, model.config.eos_token_ids)
     answer_tokens = [t for s in train_samples for t in s.token_ids[s.num_prompt_tokens:]]

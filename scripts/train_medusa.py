@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from speculators.medusa import MedusaHeads, load_heads, save_heads
-from training.common import add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus
+from training.common import (add_self_distillation_args, corpus_paths, draft_vocabulary, self_distillation_corpus,
+                             trainable_lm_head)
 from training.medusa import medusa_data, train_medusa
 
 
@@ -52,12 +53,13 @@ def new_heads(args, model, train_samples) -> MedusaHeads:
     the training answers (a residual block starts as the identity, an own LM head as the
     target's rows)."""
     cfg = model.config
+    lm_head = trainable_lm_head(model.lm_head)  # shared heads train through the target's
     if args.init_heads:
-        return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, model.lm_head, model.embed_tokens).float()
+        return load_heads(args.init_heads, cfg.hidden_size, cfg.vocab_size, lm_head, model.embed_tokens).float()
     draft_vocab = (draft_vocabulary(train_samples, args.draft_vocab, cfg.eos_token_ids)
                    if 0 < args.draft_vocab < cfg.vocab_size else torch.arange(cfg.vocab_size))  # [Vd] target ids
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, args.num_heads, args.num_layers,
-                        model.lm_head if args.shared_lm_head else None, len(draft_vocab),
+                        lm_head if args.shared_lm_head else None, len(draft_vocab),
                         args.read_token, model.embed_tokens)
     heads.set_draft_vocab(draft_vocab)
     if not args.shared_lm_head:

@@ -262,6 +262,17 @@ def autocast(module: nn.Module):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda" or cpu_has_bf16_math())
 
 
+def trainable_lm_head(lm_head: nn.Module) -> nn.Module:
+    """The target's LM head as a head that projects through it trains through it: a quantized
+    one's float copy (its int8/int4 kernels have no backward); a prepacked one as it is (it
+    keeps its row-major weight, and backpropagates through that); else itself."""
+    from runtime.models.quant_linear import QuantizedLinear, float_linear
+    if isinstance(lm_head, QuantizedLinear):  # clones: a dequantized weight may be an inference tensor
+        return float_linear(lm_head.dequantize().clone(), None if lm_head.bias is None else lm_head.bias.detach().clone(),
+                            prepack=False)
+    return lm_head
+
+
 def optimizer_with_schedule(params, lr: float, steps: int, betas: tuple[float, float]):
     """AdamW with a linear warm-up over the first 5% of steps, then cosine decay to 0."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.0)

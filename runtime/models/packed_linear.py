@@ -23,6 +23,11 @@ does not (F.linear wants one dtype), so code calling a layer it does not own, wh
 dtype and packing the target's load chose (a head sharing the target's LM head: packed
 bf16 where `can_prepack`, row-major otherwise), calls it through `apply_linear`, which
 keeps the rule for any kind of layer. Where the dtypes match both are no-ops.
+
+Gradients: oneDNN's packed op has no backward (autograd would pass none through it, with
+only a warning), so an input that requires grad (a head trained through the target's LM
+head) goes through the kept row-major weight with F.linear instead, and a layer that kept
+none refuses. Inference (no grad) always takes the packed op.
 """
 from __future__ import annotations
 
@@ -75,6 +80,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., K] of any float dtype -> [..., N] in x's dtype, computed in the weight's (the dtype rule)
         shape, dtype = x.shape, x.dtype
+        if x.requires_grad and torch.is_grad_enabled():  # training through it: the packed op has no backward
+            if self.weight is None:
+                raise RuntimeError("a PackedLinear without its row-major weight cannot backpropagate "
+                                   "(keep_weight=True keeps it)")
+            return nn.functional.linear(x.to(self.weight_dtype), self.weight, self.bias).to(dtype)
         y = torch.ops.heterospec.packed_linear(x.reshape(-1, shape[-1]).to(self.weight_dtype), self.packed_weight,
                                                self.bias, self.out_features)  # [M, N]
         return y.reshape(*shape[:-1], self.out_features).to(dtype)

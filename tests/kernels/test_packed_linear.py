@@ -286,3 +286,61 @@ def test_eagle_head_drafts_float32_features_through_a_bf16_lm_head(packed):
     tree = proposer.propose([request])[0]
     assert len(tree) > 0
     proposer.release("0")
+
+
+def test_packed_linear_backpropagates_through_its_kept_weight():
+    """oneDNN's packed op has no backward (autograd passed no gradient through it, with a
+    warning only: a head trained through a packed LM head learned nothing from its logits).
+    An input that requires grad goes through the kept row-major weight; a layer that kept
+    none refuses; without grad the packed op runs."""
+    if not onednn_runs_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    torch.manual_seed(3)
+    linear = nn.Linear(576, 300).bfloat16()
+    kept, bare = PackedLinear(linear, keep_weight=True), PackedLinear(linear)
+    for x_dtype in DTYPES:
+        x = torch.randn(4, 576, dtype=x_dtype, requires_grad=True)
+        y = kept(x)
+        assert y.dtype == x_dtype
+        bf16_close(y.detach(), nn.functional.linear(x.detach().float(), linear.weight.float(), linear.bias.float()))
+        upstream = torch.randn(4, 300)
+        (y.float() * upstream).sum().backward()
+        assert x.grad is not None and x.grad.dtype == x_dtype
+        bf16_close(x.grad, upstream @ linear.weight.float())  # dL/dx = g W
+        with pytest.raises(RuntimeError, match="backpropagate"):
+            bare(torch.randn(2, 576, dtype=x_dtype, requires_grad=True))
+        with torch.no_grad():
+            assert bare(x).dtype == x_dtype
+    with torch.inference_mode():
+        assert bare(torch.randn(2, 576)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-major"])
+def test_eagle_head_trains_through_a_bf16_lm_head(packed):
+    """A float32 EAGLE-1 head trained over a bf16 target's shared LM head (packed where bf16
+    math is native): the logits' cross-entropy reaches the head's own layers, as it does
+    through a float32 copy of that LM head."""
+    from runtime.models.config import ModelConfig
+    from speculators.eagle_heads import EagleHead
+
+    if packed and not onednn_runs_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    cfg = ModelConfig("llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(5)
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).bfloat16()
+    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    heads = {}
+    for name, shared in (("bf16", PackedLinear(lm_head, keep_weight=True) if packed else lm_head),
+                         ("float32", nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))):
+        if name == "float32":
+            shared.weight.data.copy_(lm_head.weight.float())
+        torch.manual_seed(6)
+        head = heads[name] = EagleHead(cfg, embed, shared).float()
+        features = torch.randn(10, cfg.hidden_size)
+        labels = torch.randint(0, cfg.vocab_size, (10,))
+        loss = nn.functional.cross_entropy(head.draft_logits(head.fc(torch.cat([features, features], -1))), labels)
+        loss.backward()
+    grad, reference = heads["bf16"].fc.weight.grad, heads["float32"].fc.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    bf16_close(grad, reference)
