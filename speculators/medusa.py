@@ -51,6 +51,7 @@ from torch import nn
 from speculators.base import ProposalRequest, Proposer, frozen_on
 from speculators.draft_vocab import DraftVocabulary
 from runtime.draft_tree import DraftTree
+from runtime.models.packed_linear import apply_linear
 from speculators.registry import Setting, Speculator
 from speculators.settings import DRAFT_PLACEMENT
 
@@ -156,7 +157,7 @@ class MedusaHeads(DraftVocabulary, nn.Module):
             return torch.stack([head(features[:, k]) for k, head in enumerate(self.lm_heads)], dim=1).float()
         if self._shared_rows.numel():
             return nn.functional.linear(features, self._shared_rows.to(features.dtype)).float()
-        return self._shared[0](features).float()
+        return apply_linear(self._shared[0], features).float()  # the shared head may be another dtype
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.project(self.features(hidden, tokens))

@@ -158,22 +158,20 @@ def test_heads_share_the_packed_lm_head(bf16_engines, generate, tmp_path, specul
         heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, 3, 1, model.lm_head)
         for p in heads.parameters():
             nn.init.normal_(p, std=0.05)
-        packed.config.medusa_heads = str(save_heads(heads, tmp_path / "medusa"))
+        settings = dict(medusa_heads=str(save_heads(heads, tmp_path / "medusa")))
     else:
         head = EagleHead(model.config, model.embed_tokens, model.lm_head)
         for p in head.parameters():
             nn.init.normal_(p, std=0.02)
-        packed.config.eagle_head = str(save_head(head, tmp_path / "eagle"))
-    packed.spec_controller.adaptive = False
+        settings = dict(eagle_head=str(save_head(head, tmp_path / "eagle")))
+    packed.update_speculation(adaptive_speculation=False, **settings)
     drafted = packed.stats.num_draft_tokens
     try:
         prompts = [packed.tokenize(p) for p in PROMPTS]
         outputs = generate(packed, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                                             speculator=speculator))
     finally:
-        packed.spec_controller.adaptive = True
-        packed.proposers.clear()
-        packed.sync_feature_layers()
+        packed.update_speculation(adaptive_speculation=True, medusa_heads=None, eagle_head=None)
     assert all(len(o) == 8 for o in outputs)
     assert packed.stats.num_draft_tokens > drafted
     assert packed.block_manager.num_free_blocks == packed.block_manager.num_blocks

@@ -28,7 +28,7 @@ from speculators.eagle import EagleProposer, _best_tree, _Node
 from speculators.eagle_heads import EagleHead, load_head, new_eagle3_head, save_head, to_public_names
 from training.common import Sample
 from training.eagle import eagle_data, train_eagle
-from tests.helpers import greedy
+from tests.helpers import greedy, new_engine, toy_speculator
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -156,12 +156,11 @@ def test_proposer_drafts_a_valid_tree_within_budget_and_width():
 # ---- through the engine ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("feature_layers", [(), (2, 15, 27)], ids=["final", "eagle3-layers"])
-def test_features_of_every_committed_token_reach_the_proposer(engine_f32, hf_smollm, generate, feature_layers):
+def test_features_of_every_committed_token_reach_the_proposer(hf_smollm, generate, feature_layers):
     """Over a speculative run with prefill chunks, a proposer that reads features gets, for
     every committed position, HF transformers' final hidden state (and with EAGLE-3 feature
     layers, the inputs of those layers after it: output_hidden_states[j])."""
     from speculators.ngram import NGramProposer
-    engine = engine_f32
     seen: dict[str, dict[int, torch.Tensor]] = {}
     final: dict[str, list[int]] = {}
 
@@ -179,18 +178,12 @@ def test_features_of_every_committed_token_reach_the_proposer(engine_f32, hf_smo
 
     recording = Recording(1, 3)
     recording.feature_layers = feature_layers
-    engine.proposers["ngram"] = recording
-    engine.sync_feature_layers()
-    saved = engine.config.max_num_batched_tokens
-    engine.config.max_num_batched_tokens = 16  # prompts arrive in prefill chunks
-    engine.scheduler.max_num_batched_tokens = 16
+    name = toy_speculator("recording-features", recording)
+    engine = new_engine(max_num_batched_tokens=16)  # prompts arrive in prefill chunks
     try:
-        generate(engine, PROMPTS[:2], greedy(24, speculator="ngram"))
+        generate(engine, PROMPTS[:2], greedy(24, speculator=name))
     finally:
-        engine.proposers.clear()
-        engine.sync_feature_layers()
-        engine.config.max_num_batched_tokens = saved
-        engine.scheduler.max_num_batched_tokens = saved
+        engine.close()
     assert engine.stats.num_accepted_tokens > 0
     for request_id, token_ids in final.items():
         store = seen[request_id]
@@ -242,7 +235,7 @@ def test_trained_head_is_greedy_lossless_and_accepts_drafts(eagle_engine, traine
         assert out == ref, f"prompt {i} differs from plain decoding"
     per_step = (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
     assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
-    proposer = engine.proposers["eagle"]
+    proposer = engine.pool.get("eagle")
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks  # released
 
 

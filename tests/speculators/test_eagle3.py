@@ -329,7 +329,7 @@ def test_trained_eagle3_head_is_greedy_lossless_and_accepts_drafts(eagle_engine,
         assert out == ref, f"prompt {i} differs from plain decoding"
     per_step = (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
     assert per_step > 1.0, f"a trained head should land drafts ({per_step:.2f} accepted per step)"
-    proposer = engine.proposers["eagle"]
+    proposer = engine.pool.get("eagle")
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
 
 
@@ -369,7 +369,7 @@ def test_eagle3_with_lookahead_is_greedy_lossless(eagle_engine, trained_eagle3_d
     plain decoding, and both parts' nodes are verified (the budget 12 splits 8 : 4)."""
     engine = eagle_engine(trained_eagle3_dir, adaptive=False, num_tokens=12, width=4)
     sizes = []
-    composite = engine._proposer("eagle+lookahead")
+    composite = engine.pool.get("eagle+lookahead")
     propose = composite.propose
     composite.propose = lambda requests: [sizes.append(len(t)) or t for t in propose(requests)]
     assert generate(engine, PROMPTS, greedy(speculator="eagle+lookahead")) == plain_outputs
@@ -391,7 +391,7 @@ def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine,
                           quantization=quantization)
     embed_type = type(engine.model.embed_tokens)
     assert generate(engine, PROMPTS, greedy(speculator="eagle")) == plain_outputs
-    head = engine.proposers["eagle"].head
+    head = engine.pool.get("eagle").head
     if backend == "torch":
         assert isinstance(head.fc, Int8Linear) and isinstance(head.lm_head, Int8Linear)
     else:
@@ -399,16 +399,19 @@ def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine,
     assert type(engine.model.embed_tokens) is embed_type and isinstance(engine.model.lm_head, torch.nn.Linear)
 
 
-def test_proposers_reading_different_target_layers_are_refused(engine_f32):
+def test_proposers_reading_different_target_layers_are_refused():
+    """A request asking for a proposer that reads other target layers than one already
+    loaded is refused, and the loaded one keeps its layers."""
     from speculators.ngram import NGramProposer
-    engine = engine_f32
+    from tests.helpers import new_engine, toy_speculator
     first, second = NGramProposer(1, 3), NGramProposer(1, 3)
     first.feature_layers, second.feature_layers = SMOLLM_LAYERS, (1, 2, 3)
-    engine.proposers.update(first=first, second=second)
+    engine = new_engine(speculator=toy_speculator("reads-layers", first))
     try:
+        assert engine.runner.feature_layers == SMOLLM_LAYERS
         with pytest.raises(ValueError, match="different target layers"):
-            engine.sync_feature_layers()
+            engine.add_request("hi", greedy(4, speculator=toy_speculator("reads-other-layers", second)))
+        assert engine.runner.feature_layers == SMOLLM_LAYERS and not engine.has_unfinished
     finally:
-        engine.proposers.clear()
-        engine.sync_feature_layers()
+        engine.close()
     assert engine.runner.feature_layers == ()

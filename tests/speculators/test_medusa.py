@@ -337,22 +337,18 @@ def random_heads(engine_f32, tmp_path_factory):
 
 
 @pytest.fixture
-def medusa_engine(engine_f32):
-    """The shared engine with Medusa heads set per test, restored afterwards."""
-    engine = engine_f32
-    saved = (engine.config.medusa_heads, engine.spec_controller.adaptive, engine.config.num_speculative_tokens)
+def medusa_engine(head_engine_f32):
+    """head_engine_f32 with Medusa heads set per test (LLMEngine.update_speculation: fresh
+    proposers and controller); every block free again afterwards."""
+    engine = head_engine_f32
 
     def use(heads_dir, adaptive=True, num_tokens=None):
-        engine.proposers.pop("medusa", None)
-        engine.config.medusa_heads = str(heads_dir)
-        engine.spec_controller.adaptive = adaptive
-        engine.config.num_speculative_tokens = num_tokens
+        engine.update_speculation(medusa_heads=str(heads_dir), adaptive_speculation=adaptive,
+                                  num_speculative_tokens=num_tokens)
         return engine
 
     yield use
-    engine.config.medusa_heads, engine.spec_controller.adaptive, engine.config.num_speculative_tokens = saved
-    engine.proposers.clear()
-    engine.spec_controller.requests.clear()
+    engine.update_speculation(medusa_heads=None, adaptive_speculation=True, num_speculative_tokens=None)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
