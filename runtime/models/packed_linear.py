@@ -2,11 +2,8 @@
 
 A plain `F.linear` on the CPU hands oneDNN a row-major weight, which it reorders into its
 own blocked layout on every call. When the weight is in cache that costs little, but in a
-decode step every weight comes from memory, and the reorder doubles the traffic: a 1-4 row
-bf16 matmul over SmolLM2's 8192 x 576 draft LM head took 0.62-0.70 ms cold against 0.28 ms
-warm, and 0.41-0.43 ms prepacked (2-core AVX-512 BF16 EPYC). Over the whole model a
-decode step ran 1.3x faster (28.5 -> 21.6 ms; 16 query tokens 41.3 -> 30.6 ms). This is
-what IPEX's `ipex.optimize` prepacking does; here it is done with PyTorch's own oneDNN ops
+decode step every weight comes from memory, and the reorder doubles the traffic; prepacked
+once, a decode step reads each weight once. This is what IPEX's `ipex.optimize` prepacking does; here it is done with PyTorch's own oneDNN ops
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, the ones Inductor's
 freezing pass emits), so the native path has it without IPEX.
 
