@@ -42,6 +42,7 @@ class EngineSettings:
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
     speculative_tree_width: int | None = None  # most children per draft node; 1 = chains; None: the speculator's default
     adaptive_speculation: bool = True  # size drafts per step from measured acceptance and costs
+    tensor_parallel_size: int = 1  # target ranks (target_gpu.tensor_parallel); 1 = in this process
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -58,6 +59,11 @@ class EngineSettings:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError("tensor parallelism takes float weights for now: set quantization='none' "
+                             "(--quantization none)")
         registry.check_name(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
@@ -153,6 +159,10 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
                              "them once into oneDNN's blocked layout")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="split the target over this many worker processes (ranks over torch.distributed, "
+                             "gloo); default 1: the target runs in the engine's process. For now: CPU target, "
+                             "--quantization none")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
                              "(Q4_x/Q4_K/Q5_K/Q2_K/Q3_K -> int4, Q5_0/Q5_1/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> "
@@ -179,6 +189,7 @@ def add_engine_args(parser) -> None:
 
 
 # EngineConfig fields set by add_engine_args' flags
-ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "speculator",
+ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "tensor_parallel_size",
+               "speculator",
                "num_speculative_tokens", "speculative_tree_width", "adaptive_speculation",
                *(setting.name for setting in registry.all_settings()))

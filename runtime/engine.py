@@ -23,7 +23,7 @@ import torch
 
 from runtime.block_manager import BlockManager
 from runtime.config import ENGINE_ARGS, EngineConfig
-from runtime.logprobs import TokenLogprobs, token_logprobs
+from runtime.logprobs import TokenLogprobs, layout_logprobs
 from runtime.models.loader import load_model
 from runtime.models.packed_linear import prepack_linears
 from runtime.models.quant_linear import linear_kernels
@@ -40,6 +40,7 @@ from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
 from target_gpu.model_runner import GraphLimits, ModelRunner
+from target_gpu.tensor_parallel import TPRunner
 
 log = logging.getLogger("runtime.engine")
 
@@ -54,15 +55,12 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
         self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, self.device,
                                                                    config.quantization)
-        if config.cpu_weight_prepack:
-            prepack_linears(self.model)
-        num_blocks = self._size_kv_pool()
-        graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            graphs = GraphLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.device,
-                                  config.attention_backend, graphs,
-                                  compile_decode=not config.enforce_eager and self.device.type == "cpu")
+        if config.tensor_parallel_size > 1:
+            self.runner = TPRunner(self.model, config.model, self.dtype, config.tensor_parallel_size,
+                                   self._size_kv_pool, config.block_size)
+            num_blocks = self.runner.num_blocks
+        else:
+            self.runner, num_blocks = self._make_runner()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)
@@ -73,13 +71,27 @@ class LLMEngine:
         self.target_info = TargetInfo(self.model_config.vocab_size, self.tokenizer, self.device, self.dtype,
                                       self.kv_capacity_tokens, config.max_num_seqs, config.seed, self.model)
         self.pool = ProposerPool(config, self.target_info, self.runner)
-        self._load_speculators()
+        self.pool.load()
 
-    def _size_kv_pool(self) -> int:
-        """The number of KV blocks the configured memory holds; sets max_model_len."""
+    def _make_runner(self) -> tuple[ModelRunner, int]:
+        config = self.config
+        if config.cpu_weight_prepack:
+            prepack_linears(self.model)
+        num_blocks = self._size_kv_pool(self.model_config)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            graphs = GraphLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        return ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.device,
+                           config.attention_backend, graphs,
+                           compile_decode=not config.enforce_eager and self.device.type == "cpu"), num_blocks
+
+    def _size_kv_pool(self, rank_config) -> int:
+        """The number of KV blocks the configured memory holds (a block of one rank's KV
+        heads: rank_config); sets max_model_len."""
         config, mc = self.config, self.model_config
-        num_blocks, per_block = num_kv_blocks(mc, config.block_size, self.model.dtype, config.kv_cache_memory,
-                                              self.device, config.kv_cache_default_fraction(self.device))
+        num_blocks, per_block = num_kv_blocks(rank_config, config.block_size, self.model.dtype,
+                                              config.kv_cache_memory, self.device,
+                                              config.kv_cache_default_fraction(self.device))
         self.kv_capacity_tokens = capacity = num_blocks * config.block_size
         if mc.max_context_len < mc.max_position_embeddings:
             log.warning("sliding window of %d tokens: max_model_len capped there (windowed attention is not "
@@ -91,19 +103,6 @@ class LLMEngine:
                  num_blocks * per_block / 2**20, self.max_model_len)
         return num_blocks
 
-    def _load_speculators(self) -> None:
-        """Build the configured speculator now (a bad setting fails at start), and a draft
-        model when one is configured (so that requests may ask for it)."""
-        config = self.config
-        if config.speculator != "none":
-            self.pool.get(config.speculator)
-        if config.draft_model:
-            self.pool.get("draft")
-        if config.speculator != "none" or config.draft_model:
-            log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
-                     config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
-                     "adaptive" if config.adaptive_speculation else "fixed")
-
     def update_speculation(self, **settings) -> None:
         """Change how this engine speculates (any of SPECULATION_SETTINGS: the speculator, its
         draft size, tree width, adaptivity, a speculator's own settings) while it is idle.
@@ -113,17 +112,9 @@ class LLMEngine:
             raise ValueError(f"not speculation settings: {', '.join(sorted(unknown))}")
         if self.has_unfinished:
             raise ValueError("the engine has unfinished requests; change speculation when it is idle")
-        old_config, old_pool = self.config, self.pool
-        old_pool.close()
-        self.config = dataclasses.replace(old_config, **settings)  # validated by EngineConfig
-        self.pool = ProposerPool(self.config, self.target_info, self.runner)
-        try:
-            self._load_speculators()
-        except Exception:
-            self.pool.close()
-            self.config, self.pool = old_config, ProposerPool(old_config, self.target_info, self.runner)
-            self._load_speculators()
-            raise
+        new_config = dataclasses.replace(self.config, **settings)  # validated by EngineConfig
+        self.pool = self.pool.rebuilt(new_config)
+        self.config = new_config
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -176,8 +167,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def close(self) -> None:
-        """Stop the proposers' workers (the draft model's thread)."""
+        """Stop the proposers' workers (the draft model's thread) and the target's ranks."""
         self.pool.close()
+        getattr(self.runner, "close", lambda: None)()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -190,7 +182,7 @@ class LLMEngine:
         layout = VerifyLayout.of(batch)
         logits, hidden, verify_span = self._verify(layout)
         verdicts = self.sampler.verify(logits, layout)
-        logprobs = self._logprobs(layout, verdicts, logits)
+        logprobs = layout_logprobs(layout, verdicts, logits)
         self.pool.keep_target_outputs(layout, verdicts, logits, hidden)
         outputs = self._commit(layout, verdicts, logprobs)
         self._record_step(layout, start, *verify_span)
@@ -220,16 +212,6 @@ class LLMEngine:
         if not layout.is_prefill:
             self.pool.controller.observe_step(sum(layout.num_new_tokens) + sum(map(len, layout.trees)),
                                               end - self.pool.proposed_at, has_drafts=any(map(len, layout.trees)))
-
-    @staticmethod
-    def _logprobs(layout: VerifyLayout, verdicts: list[Verdict], logits: torch.Tensor) -> dict:
-        """Per request that asked for them, the logprobs of the tokens its verdict emits."""
-        out: dict[str, list[TokenLogprobs]] = {}
-        for k, (seq, verdict) in enumerate(zip(layout.sampled_seqs, verdicts)):
-            if seq.params.logprobs is not None:
-                rows = layout.kept_logit_rows(k, verdict.accepted_nodes)
-                out[seq.request_id] = token_logprobs(logits[rows], verdict.token_ids, seq.params.logprobs)
-        return out
 
     def _commit(self, layout: VerifyLayout, verdicts: list[Verdict], logprobs: dict) -> list[RequestOutput]:
         """Advance every sequence past what it ran and kept: the accepted path's KV moved to

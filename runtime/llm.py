@@ -69,14 +69,13 @@ def _mean(values) -> float | None:
 
 
 class LLM:
-    """Offline engine. Keyword arguments are EngineConfig fields (model, dtype, device,
-    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching, kv_cache_memory, seed,
-    and the speculation settings: speculator, num_speculative_tokens,
-    speculative_tree_width, prompt_lookup_min, prompt_lookup_max, lookahead_global_nodes,
-    adaptive_speculation, and for speculator "draft": draft_model, draft_device, draft_dtype,
-    draft_backend, draft_quantization, draft_cpu_cores, draft_min_path_prob), e.g.
+    """Offline engine. Keyword arguments are EngineConfig fields (runtime.config: the
+    engine's own, such as dtype, device, max_num_seqs, kv_cache_memory, quantization,
+    tensor_parallel_size, speculator, num_speculative_tokens, and every registered
+    speculator's settings, such as draft_model or eagle_head), e.g.
     LLM(speculator="lookahead", num_speculative_tokens=8) or
-    LLM(model=target, speculator="draft", draft_model=path, draft_device="cpu", draft_cpu_cores="0-15")."""
+    LLM(model=target, speculator="draft", draft_model=path, draft_device="cpu", draft_cpu_cores="0-15").
+    close() (or leaving a `with LLM(...) as llm:` block) stops its workers."""
 
     def __init__(self, model: str | None = None, **kwargs):
         if model is not None:
@@ -84,6 +83,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
         self.last_summary: RunSummary | None = None
+
+    def close(self) -> None:
+        """Stop the draft worker and the target's tensor-parallel ranks."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:

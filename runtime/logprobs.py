@@ -30,3 +30,14 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
     else:
         tops = [[] for _ in token_ids]
     return [TokenLogprobs(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
+def layout_logprobs(layout, verdicts: list, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+    """Per request of a step (runtime.verify_layout.VerifyLayout) that asked for them, the
+    logprobs of the tokens its verdict emits; logits [R, V] as the layout says."""
+    out: dict[str, list[TokenLogprobs]] = {}
+    for k, (seq, verdict) in enumerate(zip(layout.sampled_seqs, verdicts)):
+        if seq.params.logprobs is not None:
+            rows = layout.kept_logit_rows(k, verdict.accepted_nodes)
+            out[seq.request_id] = token_logprobs(logits[rows], verdict.token_ids, seq.params.logprobs)
+    return out

@@ -55,6 +55,32 @@ class ProposerPool:
             raise ValueError(f"the loaded proposers read different target layers: {sorted(wanted)}")
         self.runner.set_feature_layers(wanted.pop() if wanted else ())
 
+    def load(self) -> None:
+        """Build the configured speculator now (a bad setting fails at start), and a draft
+        model when one is configured (so that requests may ask for it)."""
+        config = self.config
+        if config.speculator != NONE:
+            self.get(config.speculator)
+        if config.draft_model:
+            self.get("draft")
+        if config.speculator != NONE or config.draft_model:
+            log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
+                     config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
+                     "adaptive" if config.adaptive_speculation else "fixed")
+
+    def rebuilt(self, config) -> ProposerPool:
+        """A pool for another config, loaded, this one closed; on an error, this one loaded
+        again and the error raised."""
+        self.close()
+        pool = ProposerPool(config, self.target, self.runner)
+        try:
+            pool.load()
+        except Exception:
+            pool.close()
+            self.load()
+            raise
+        return pool
+
     def needs_features(self, name: str) -> bool:
         return name != NONE and self.get(name).needs_features
 

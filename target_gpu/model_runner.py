@@ -59,6 +59,17 @@ def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device):
     return TritonAttentionBackend(kv_cache)
 
 
+@dataclass(slots=True)
+class StepInput:
+    """One target pass, as plain data (what tensor-parallel ranks receive)."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] KV cache slot of each token
+    attn_inputs: list[SeqAttentionInput]  # per sequence: its rows, context length, block table, tree mask
+    logits_rows: list[int]  # [R] the rows whose logits are wanted
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, attention_backend: str = "torch", graphs: GraphLimits | None = None,
@@ -108,6 +119,32 @@ class ModelRunner:
             self.feature_layers = layers
             self._make_graphs()
 
+    def prepare(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None) -> StepInput:
+        """The step's tokens, positions, KV slots and attention inputs: each sequence's new
+        tokens, then its tree nodes (a tree's root at position L-1, node i at L-1 + depth(i))."""
+        step = StepInput([], [], [], [], [])
+        bs = self.block_size
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            tree = trees[i] if trees is not None else None
+            num_nodes = len(tree) if tree is not None else 0
+            first_row = len(step.input_ids)
+            step.input_ids.extend(seq.token_ids[start:start + n])
+            step.positions.extend(range(start, start + n))
+            mask = None
+            if num_nodes:
+                assert n == 1 and needs_logits[i], "a draft tree hangs below one decoding token"
+                step.input_ids.extend(tree.token_ids)
+                step.positions.extend(start + depth for depth in tree.depths)
+                mask = tree.attention_mask()  # [Q, Q] over the new tokens; the context is everyone's
+            total = n + num_nodes
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + total))
+            step.attn_inputs.append(SeqAttentionInput(first_row, total, start + total, list(table), mask))
+            if needs_logits[i]:
+                step.logits_rows.extend(range(first_row + n - 1, first_row + total))
+        return step
+
     @torch.inference_mode()
     def execute(self, seqs, num_new_tokens: list[int], needs_logits: list[bool], trees=None,
                 return_hidden: bool | str = False):
@@ -117,55 +154,36 @@ class ModelRunner:
         return_hidden="all": (logits [R, V], hidden states [T, H'] of every token run, in
         input order: each sequence's new tokens, then its tree nodes). H' = H, the final
         hidden states, or with feature layers (1 + k) H: those, then the k layers' inputs."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        attn_inputs: list[SeqAttentionInput] = []
-        logits_rows: list[int] = []
-        bs = self.block_size
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            tree = trees[i] if trees is not None else None
-            num_nodes = len(tree) if tree is not None else 0
-            first_row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            mask = None
-            if num_nodes:
-                assert n == 1 and needs_logits[i], "a draft tree hangs below one decoding token"
-                input_ids.extend(tree.token_ids)
-                positions.extend(start + depth for depth in tree.depths)
-                mask = tree.attention_mask()  # [Q, Q] over the new tokens; the context is everyone's
-            total = n + num_nodes
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + total))
-            attn_inputs.append(SeqAttentionInput(first_row, total, start + total, table, mask))
-            if needs_logits[i]:
-                logits_rows.extend(range(first_row + n - 1, first_row + total))
-        if self.compiled_decode is not None and return_hidden != "all" and len(logits_rows) == len(seqs) \
-                and len(input_ids) == len(seqs):  # one new token a sequence, no tree: a plain decode step
-            logits, hidden = self.compiled_decode(seqs, self.device, bs)
+        step = self.prepare(seqs, num_new_tokens, needs_logits, trees)
+        if self.compiled_decode is not None and return_hidden != "all" and len(step.logits_rows) == len(seqs) \
+                and len(step.input_ids) == len(seqs):  # one new token a sequence, no tree: a plain decode step
+            logits, hidden = self.compiled_decode(seqs, self.device, self.block_size)
             return (logits, hidden) if return_hidden else logits
-        if self.graphs is not None and len(logits_rows) == len(input_ids) \
-                and self.graphs.can_run(attn_inputs, len(input_ids)):
+        return self.run(step, return_hidden)
+
+    @torch.inference_mode()
+    def run(self, step: StepInput, return_hidden: bool | str = False):
+        """Run a prepared step (execute's outputs)."""
+        if self.graphs is not None and len(step.logits_rows) == len(step.input_ids) \
+                and self.graphs.can_run(step.attn_inputs, len(step.input_ids)):
             # a pure decode/verify step: every row wants logits, in order
-            all_hidden, logits = self.graphs.run(input_ids, positions, slots, attn_inputs)
+            all_hidden, logits = self.graphs.run(step.input_ids, step.positions, step.slots, step.attn_inputs)
             if return_hidden:
                 return logits, all_hidden
             return logits
         device = self.device
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=device)
         backend = self.attention
-        meta = AttentionMetadata.build(attn_inputs, torch.tensor(slots, dtype=torch.long, device=device), bs,
-                                       self.config.num_heads // self.config.num_kv_heads, device,
+        meta = AttentionMetadata.build(step.attn_inputs, torch.tensor(step.slots, dtype=torch.long, device=device),
+                                       self.block_size, self.config.num_heads // self.config.num_kv_heads, device,
                                        for_kernel=backend.needs_kernel_metadata)
 
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)
 
         all_hidden = self.model(ids, pos, attention, self.feature_layers)  # [T, H']
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        rows = torch.tensor(step.logits_rows, dtype=torch.long, device=device)
         hidden = all_hidden.index_select(0, rows)  # [R, H']
         logits = self.model.compute_logits(hidden[:, :self.config.hidden_size])  # [R, V]
         if return_hidden == "all":
