@@ -188,8 +188,9 @@ def add_engine_args(parser) -> None:
                         "acceptance and step costs")
 
 
+# EngineConfig fields that say how the engine speculates (LLMEngine.update_speculation may change them)
+SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "adaptive_speculation",
+                    *(setting.name for setting in registry.all_settings()))
 # EngineConfig fields set by add_engine_args' flags
 ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "tensor_parallel_size",
-               "speculator",
-               "num_speculative_tokens", "speculative_tree_width", "adaptive_speculation",
-               *(setting.name for setting in registry.all_settings()))
+               *SPECULATION_ARGS)

@@ -22,7 +22,7 @@ import time
 import torch
 
 from runtime.block_manager import BlockManager
-from runtime.config import ENGINE_ARGS, EngineConfig
+from runtime.config import SPECULATION_ARGS, EngineConfig
 from runtime.logprobs import TokenLogprobs, layout_logprobs
 from runtime.models.loader import load_model
 from runtime.models.packed_linear import prepack_linears
@@ -44,8 +44,6 @@ from target_gpu.tensor_parallel import TPRunner
 
 log = logging.getLogger("runtime.engine")
 
-# EngineConfig fields that update_speculation may change: speculation's, and every speculator's settings
-SPECULATION_SETTINGS = tuple(name for name in ENGINE_ARGS[ENGINE_ARGS.index("speculator"):])
 
 
 class LLMEngine:
@@ -104,10 +102,10 @@ class LLMEngine:
         return num_blocks
 
     def update_speculation(self, **settings) -> None:
-        """Change how this engine speculates (any of SPECULATION_SETTINGS: the speculator, its
+        """Change how this engine speculates (any of runtime.config.SPECULATION_ARGS: the speculator, its
         draft size, tree width, adaptivity, a speculator's own settings) while it is idle.
         The proposers are rebuilt; on a bad setting, ValueError and nothing changes."""
-        unknown = set(settings) - set(SPECULATION_SETTINGS)
+        unknown = set(settings) - set(SPECULATION_ARGS)
         if unknown:
             raise ValueError(f"not speculation settings: {', '.join(sorted(unknown))}")
         if self.has_unfinished:
@@ -169,7 +167,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the proposers' workers (the draft model's thread) and the target's ranks."""
         self.pool.close()
-        getattr(self.runner, "close", lambda: None)()
+        self.runner.close()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -73,10 +73,7 @@ class RequestMetrics:
         return self.num_target_forwards / self.num_tokens if self.num_tokens else None
 
     def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        self.num_verify_steps += 1
-        count_accepted_positions(self.accepted_per_position, num_accepted)
+        count_verification(self, num_draft_tokens, num_accepted)
 
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s,
@@ -87,6 +84,15 @@ class RequestMetrics:
                 "accepted_per_position": list(self.accepted_per_position),
                 "num_target_forwards": self.num_target_forwards, "num_cached_tokens": self.num_cached_tokens,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+
+
+def count_verification(counts, num_draft_tokens: int, num_accepted: int) -> None:
+    """One verify step into counts with num_draft_tokens, num_accepted_tokens,
+    num_verify_steps and accepted_per_position (RequestMetrics, runtime.stats.EngineStats)."""
+    counts.num_draft_tokens += num_draft_tokens
+    counts.num_accepted_tokens += num_accepted
+    counts.num_verify_steps += 1
+    count_accepted_positions(counts.accepted_per_position, num_accepted)
 
 
 def count_accepted_positions(per_position: list[int], num_accepted: int) -> None:

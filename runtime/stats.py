@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.sequence import count_accepted_positions
+from runtime.sequence import count_verification
 
 
 @dataclass(slots=True)
@@ -56,14 +56,11 @@ class EngineStats:
         self.num_cached_prompt_tokens += batch.num_cached_tokens
 
     def record_verification(self, num_draft_tokens: int, num_accepted: int, bonus: bool) -> None:
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        self.num_verify_steps += 1
+        count_verification(self, num_draft_tokens, num_accepted)
         if bonus:
             self.num_bonus_tokens += 1
         else:
             self.num_recovered_tokens += 1
-        count_accepted_positions(self.accepted_per_position, num_accepted)
 
     def record_timing(self, timing: StepTiming) -> None:
         self.draft_seconds += timing.draft

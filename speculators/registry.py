@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 NONE = "none"  # plain decoding
 
@@ -89,9 +90,10 @@ def _load_built_in() -> None:
             _registry[spec.name] = spec
 
 
-def speculators() -> dict[str, Speculator]:
+def speculators() -> Mapping[str, Speculator]:
+    """The registered speculators by name (a read-only view: register() adds to it)."""
     _load_built_in()
-    return dict(_registry)
+    return MappingProxyType(_registry)
 
 
 def names() -> tuple[str, ...]:
@@ -126,8 +128,11 @@ def check_name(name: str) -> None:
 
 
 def get(name: str) -> Speculator:
-    check_name(name)
-    return speculators()[name]
+    spec = speculators().get(name)
+    if spec is None:
+        check_name(name)  # raises, saying what is allowed
+        raise ValueError(f"{name!r} names several speculators; each part is registered on its own")
+    return spec
 
 
 def check_config(config) -> None:
@@ -140,7 +145,8 @@ def check_config(config) -> None:
             spec.check(config)
     if config.speculator != NONE:
         for part in parts(config.speculator):
-            missing = get(part).requires and get(part).requires(config)
+            requires = get(part).requires
+            missing = requires and requires(config)
             if missing:
                 raise ValueError(f"speculator {part!r} needs {missing}")
 

@@ -140,7 +140,7 @@ class ModelRunner:
                 mask = tree.attention_mask()  # [Q, Q] over the new tokens; the context is everyone's
             total = n + num_nodes
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + total))
-            step.attn_inputs.append(SeqAttentionInput(first_row, total, start + total, list(table), mask))
+            step.attn_inputs.append(SeqAttentionInput(first_row, total, start + total, table, mask))
             if needs_logits[i]:
                 step.logits_rows.extend(range(first_row + n - 1, first_row + total))
         return step
@@ -189,6 +189,9 @@ class ModelRunner:
         if return_hidden == "all":
             return logits, all_hidden
         return (logits, hidden) if return_hidden else logits
+
+    def close(self) -> None:
+        """Nothing to stop in this process (TPRunner stops its ranks)."""
 
     @torch.inference_mode()
     def commit_accepted(self, src_slots: list[int], dst_slots: list[int]) -> None:

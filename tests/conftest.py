@@ -36,9 +36,9 @@ def engine_f32():
 
     Tests that use it must leave it idle: every request they add runs to completion or is aborted.
     """
-    from runtime.engine import LLMEngine
+    from tests.helpers import new_engine
 
-    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
+    engine = new_engine()
     config = engine.config
     yield engine
     assert not engine.has_unfinished, "a test left requests in the shared engine"

@@ -187,6 +187,17 @@ def onednn_runs_bf16() -> bool:
             and (supported is None or bool(supported())))
 
 
+def tiny_bf16_target(seed: int):
+    """(config, bf16 embedding, bf16 LM head) of a tiny random Llama target, for heads to share."""
+    from runtime.models.config import ModelConfig
+    cfg = ModelConfig("llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).bfloat16()
+    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    return cfg, embed, lm_head
+
+
 def bf16_close(actual: torch.Tensor, reference: torch.Tensor) -> None:
     """Within bf16 rounding of the float32 reference (operands rounded to bf16, another order)."""
     scale = reference.abs().max().item()
@@ -255,7 +266,6 @@ def test_eagle_head_drafts_float32_features_through_a_bf16_lm_head(packed):
     on an AVX2 CPU). draft_logits and the proposer's drafting (EagleProposer._feed, the
     path of training's validation) both run, and the logits are the float32 ones within
     bf16 rounding."""
-    from runtime.models.config import ModelConfig
     from runtime.sampling_params import SamplingParams
     from speculators.base import ProposalRequest
     from speculators.eagle import EagleProposer
@@ -263,11 +273,7 @@ def test_eagle_head_drafts_float32_features_through_a_bf16_lm_head(packed):
 
     if packed and not onednn_runs_bf16():
         pytest.skip("oneDNN has no bf16 kernels on this CPU")
-    cfg = ModelConfig("llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    torch.manual_seed(2)
-    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).bfloat16()
-    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    cfg, embed, lm_head = tiny_bf16_target(seed=2)
     shared = PackedLinear(lm_head, keep_weight=True) if packed else lm_head
     head = EagleHead(cfg, embed, shared).float()
     for p in head.parameters():
@@ -318,16 +324,11 @@ def test_eagle_head_trains_through_a_bf16_lm_head(packed):
     """A float32 EAGLE-1 head trained over a bf16 target's shared LM head (packed where bf16
     math is native): the logits' cross-entropy reaches the head's own layers, as it does
     through a float32 copy of that LM head."""
-    from runtime.models.config import ModelConfig
     from speculators.eagle_heads import EagleHead
 
     if packed and not onednn_runs_bf16():
         pytest.skip("oneDNN has no bf16 kernels on this CPU")
-    cfg = ModelConfig("llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    torch.manual_seed(5)
-    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).bfloat16()
-    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    cfg, embed, lm_head = tiny_bf16_target(seed=5)
     heads = {}
     for name, shared in (("bf16", PackedLinear(lm_head, keep_weight=True) if packed else lm_head),
                          ("float32", nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))):
