@@ -24,7 +24,11 @@ import torch
 log = logging.getLogger("draft_cpu.placement")
 
 
+_PROCESS_CORES = sorted(os.sched_getaffinity(0))  # before anything here pins a thread
+
+
 def available_cores() -> list[int]:
+    """The cores the calling thread may run on now."""
     return sorted(os.sched_getaffinity(0))
 
 
@@ -41,7 +45,7 @@ def parse_core_list(spec: str) -> list[int]:
         if last < first:
             raise ValueError(f"--draft-cpu-cores: range {part.strip()!r} runs backwards")
         cores.update(range(first, last + 1))
-    allowed = set(available_cores())
+    allowed = set(_PROCESS_CORES)
     outside = sorted(cores - allowed)
     if outside:
         raise ValueError(f"--draft-cpu-cores: cores {outside} are not available to this process "
@@ -91,6 +95,30 @@ def move_other_threads(cores: list[int], keep: set[int]) -> int:
         except (ProcessLookupError, PermissionError, OSError):
             pass
     return moved
+
+
+def split_cores(cores: list[int], parts: int, reserved: list[int] = ()) -> list[list[int]] | None:
+    """`parts` disjoint contiguous shares of `cores` minus `reserved`, the first share
+    taking the remainder; None when there are fewer such cores than parts."""
+    free = [c for c in cores if c not in set(reserved)]
+    if len(free) < parts:
+        return None
+    size = len(free) // parts
+    first = size + len(free) % parts
+    return [free[:first]] + [free[first + i * size:first + (i + 1) * size] for i in range(parts - 1)]
+
+
+def pin_process(cores: list[int]):
+    """Pin every thread of this process to `cores`, and the calling thread's OpenMP team to
+    one thread per core; threads started later inherit it. Returns a function that undoes it."""
+    before, threads = available_cores(), torch.get_num_threads()
+    move_other_threads(cores, keep=set())
+    pin_current_thread(cores)
+
+    def restore() -> None:
+        move_other_threads(before, keep=set())
+        torch.set_num_threads(threads)
+    return restore
 
 
 def place(draft_cores: list[int], draft_thread_id: int, all_cores: list[int]) -> list[int]:

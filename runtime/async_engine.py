@@ -168,7 +168,8 @@ class AsyncEngine:
         """Wait until there are commands or unfinished requests; None once shut down."""
         with self._cond:
             while not (self._commands or self.engine.has_unfinished or self._stopping):
-                self._cond.wait()
+                self._cond.wait(timeout=1.0)
+                self.engine.check_health()  # idle, a tensor-parallel rank may still fail
             if self._stopping:
                 return None
             commands, self._commands = self._commands, []

@@ -15,6 +15,7 @@ from runtime.models.loader import DEFAULT_MODEL, QUANTIZATIONS
 from runtime.platform import cpu_has_bf16_math
 from speculators import registry
 from target_gpu.attention import ATTENTION_BACKENDS
+from target_gpu.tensor_parallel import TPLaunch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -42,7 +43,13 @@ class EngineSettings:
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
     speculative_tree_width: int | None = None  # most children per draft node; 1 = chains; None: the speculator's default
     adaptive_speculation: bool = True  # size drafts per step from measured acceptance and costs
-    tensor_parallel_size: int = 1  # target ranks (target_gpu.tensor_parallel); 1 = in this process
+    # tensor parallelism (target_gpu.tensor_parallel); torchrun's environment, when present, decides instead
+    tensor_parallel_size: int = 1  # target ranks, over all nodes; 1 = the target runs in this process
+    nnodes: int = 1
+    node_rank: int = 0  # this node; node 0 runs the engine and rank 0
+    master_addr: str = "127.0.0.1"  # node 0's address, where ranks meet
+    master_port: int | None = None  # None: a free port on one node, 29500 across nodes
+    worker_timeout: float = 60.0  # seconds a rank may take to answer before the engine fails
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -61,15 +68,22 @@ class EngineSettings:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.quantization != "none":
-            raise ValueError("tensor parallelism takes float weights for now: set quantization='none' "
-                             "(--quantization none)")
+        launch = self.tp_launch(environ={})  # checks the flags; torchrun's environment is read at start
+        if launch is not None and self.quantization not in ("auto", "none"):
+            raise ValueError(f"tensor parallelism shards float weights for now: quantization={self.quantization!r} "
+                             f"cannot be split (use auto or none)")
         registry.check_name(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_tree_width is not None and self.speculative_tree_width < 1:
             raise ValueError(f"speculative_tree_width must be >= 1, got {self.speculative_tree_width}")
         registry.check_config(self)
+
+    def tp_launch(self, environ=None) -> TPLaunch | None:
+        """Where the target's ranks run (None: one rank, in this process)."""
+        import os
+        return TPLaunch.of(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                           self.master_port, self.worker_timeout, os.environ if environ is None else environ)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -123,8 +137,10 @@ class EngineSettings:
             return self.speculative_tree_width
         return registry.default_tree_width(speculator)
 
-    def kv_cache_default_fraction(self, device: torch.device) -> float:
-        return 0.8 if device.type == "cuda" else 0.1
+    def kv_cache_default_fraction(self, device: torch.device, ranks_per_host: int = 1) -> float:
+        """Of free memory, for one rank's KV cache: 0.8 of a GPU's; 0.1 of the host's, shared
+        by the ranks on it."""
+        return 0.8 if device.type == "cuda" else 0.1 / ranks_per_host
 
 
 # the engine's settings and, after them, every registered speculator's (speculators.registry)
@@ -159,15 +175,25 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_const", const=False,
                         help="a bf16 target on the CPU: leave its linear weights row-major instead of prepacking "
                              "them once into oneDNN's blocked layout")
-    parser.add_argument("--tensor-parallel-size", type=int,
-                        help="split the target over this many worker processes (ranks over torch.distributed, "
-                             "gloo); default 1: the target runs in the engine's process. For now: CPU target, "
-                             "--quantization none")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="the target's linear weights: auto (default) keeps a GGUF file's precision class "
                              "(Q4_x/Q4_K/Q5_K/Q2_K/Q3_K -> int4, Q5_0/Q5_1/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> "
                              "float; an HF checkpoint as stored), none dequantizes to --dtype, int8/int4 quantize "
                              "every linear layer")
+    t = parser.add_argument_group("tensor parallelism (torchrun's RANK/WORLD_SIZE/MASTER_* environment is "
+                                  "also accepted)")
+    t.add_argument("--tensor-parallel-size", type=int,
+                   help="split the target over this many ranks, on all nodes together (worker processes over "
+                        "torch.distributed); default 1: the target runs in the engine's process. Float weights "
+                        "for now (--quantization auto or none)")
+    t.add_argument("--nnodes", type=int, help="nodes the ranks are spread over (default: 1)")
+    t.add_argument("--node-rank", type=int, help="this node's number; node 0 runs the engine, the others only "
+                   "their ranks (default: 0)")
+    t.add_argument("--master-addr", help="node 0's address, where the ranks meet (default: 127.0.0.1)")
+    t.add_argument("--master-port", type=int, help="the port there (default: a free one on one node, 29500 "
+                   "across nodes)")
+    t.add_argument("--worker-timeout", type=float, help="seconds a rank may take to answer before the engine "
+                   "fails, naming it (default: 60)")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculator", type=_speculator_arg, metavar="{" + ",".join(registry.names()) + "}[+...]",
                    help=f"proposer of draft tokens (default: {d['speculator']}); several joined by '+' draft "
@@ -193,4 +219,4 @@ SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_wi
                     *(setting.name for setting in registry.all_settings()))
 # EngineConfig fields set by add_engine_args' flags
 ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "tensor_parallel_size",
-               *SPECULATION_ARGS)
+               "nnodes", "node_rank", "master_addr", "master_port", "worker_timeout", *SPECULATION_ARGS)

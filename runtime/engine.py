@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 
 import torch
 
+from draft_cpu.placement import parse_core_list
 from runtime.block_manager import BlockManager
 from runtime.config import SPECULATION_ARGS, EngineConfig
 from runtime.logprobs import TokenLogprobs, layout_logprobs
@@ -40,7 +42,7 @@ from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
 from target_gpu.model_runner import GraphLimits, ModelRunner
-from target_gpu.tensor_parallel import TPRunner
+from target_gpu.tensor_parallel import TPRunner, run_node
 
 log = logging.getLogger("runtime.engine")
 
@@ -51,11 +53,19 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
-        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, self.device,
-                                                                   config.quantization)
-        if config.tensor_parallel_size > 1:
-            self.runner = TPRunner(self.model, config.model, self.dtype, config.tensor_parallel_size,
-                                   self._size_kv_pool, config.block_size)
+        launch = config.tp_launch()
+        if launch is not None and launch.rank != 0:  # another node's ranks, or a torchrun rank > 0
+            sys.exit(run_node(launch))
+        quantization = config.quantization
+        if launch is not None and quantization == "auto":
+            log.info("tensor parallelism shards float weights: the target loads unquantized (--quantization none)")
+            quantization = "none"
+        self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
+        load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
+        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, load_device, quantization)
+        if launch is not None:
+            self.runner = TPRunner(self.model, config.model, self.dtype, self.device, launch, self._size_kv_pool,
+                                   config.block_size, config.attention_backend, self._draft_cores())
             num_blocks = self.runner.num_blocks
         else:
             self.runner, num_blocks = self._make_runner()
@@ -83,13 +93,18 @@ class LLMEngine:
                            config.attention_backend, graphs,
                            compile_decode=not config.enforce_eager and self.device.type == "cpu"), num_blocks
 
+    def _draft_cores(self) -> list[int]:
+        """The cores named for a CPU draft model (kept free of the target's ranks)."""
+        spec = getattr(self.config, "draft_cpu_cores", None)
+        return parse_core_list(spec) if spec else []
+
     def _size_kv_pool(self, rank_config) -> int:
         """The number of KV blocks the configured memory holds (a block of one rank's KV
         heads: rank_config); sets max_model_len."""
         config, mc = self.config, self.model_config
         num_blocks, per_block = num_kv_blocks(rank_config, config.block_size, self.model.dtype,
                                               config.kv_cache_memory, self.device,
-                                              config.kv_cache_default_fraction(self.device))
+                                              config.kv_cache_default_fraction(self.device, self._ranks_per_host))
         self.kv_capacity_tokens = capacity = num_blocks * config.block_size
         if mc.max_context_len < mc.max_position_embeddings:
             log.warning("sliding window of %d tokens: max_model_len capped there (windowed attention is not "
@@ -164,10 +179,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def check_health(self) -> None:
+        """Raise if the target cannot run any more (a tensor-parallel rank failed)."""
+        self.runner.check_health()
+
     def close(self) -> None:
         """Stop the proposers' workers (the draft model's thread) and the target's ranks."""
-        self.pool.close()
-        self.runner.close()
+        try:
+            self.pool.close()
+        finally:
+            self.runner.close()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -100,7 +100,8 @@ class ProposerPool:
         for proposer in self.proposers.values():
             proposer.close()
         self.proposers.clear()
-        self.runner.set_feature_layers(())
+        if self.runner.feature_layers:
+            self.runner.set_feature_layers(())
 
     # ---- drafting -----------------------------------------------------------------------
     def _breaker(self, name: str) -> CircuitBreaker:

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncEngine, EngineDeadError
 from runtime.config import ENGINE_ARGS, EngineConfig, add_engine_args
+from target_gpu.tensor_parallel import TPWorkerError
 from runtime.engine import LLMEngine, Prompt
 from runtime.outputs import RequestOutput
 from runtime.models.config import UnsupportedModelError
@@ -335,8 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    help="compute every prompt in full instead of reusing the KV of prefixes cached by earlier "
                         "requests")
-    p.add_argument("--kv-cache-memory", help="bytes (2GiB, 500MB) or a fraction of free memory (0.1); "
-                   "default: 0.8 of free GPU memory, 0.1 of free host memory")
+    p.add_argument("--kv-cache-memory", help="bytes (2GiB, 500MB) or a fraction of free memory (0.1), for each "
+                   "tensor-parallel rank; default: 0.8 of free GPU memory, 0.1 of free host memory (shared by the "
+                   "ranks on the host)")
     p.add_argument("--seed", type=int, help="seeds the sampler of requests that bring no seed of their own")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     p.add_argument("--api-key", default=os.environ.get("HETEROSPEC_API_KEY"),
@@ -372,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    except TPWorkerError as e:  # a rank failed while starting
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     deaths: list[Exception] = []
 
     def on_death(error: Exception) -> None:  # from the engine loop thread; uvicorn polls should_exit

@@ -44,6 +44,7 @@ from speculators.base import ProposalRequest, Proposer, frozen_on, prepare_head
 from speculators.eagle_heads import Eagle3Head, EagleHead, load_head
 from speculators.heads import shipped_eagle_head
 from runtime.draft_tree import DraftTree
+from runtime.models.tensor_parallel import VocabParallelEmbedding
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
 from target_gpu.kv_cache import KVCache
 from speculators.registry import Setting, Speculator
@@ -250,6 +251,9 @@ def build_eagle_proposer(config, target) -> EagleProposer:
     log.info("EAGLE head: %s (%s)", path, "--eagle-head" if config.eagle_head else
              "shipped for the default model: speculators/heads")
     model = target.model
+    if isinstance(model.embed_tokens, VocabParallelEmbedding):
+        raise ValueError("speculator 'eagle' reads the target's embedding and LM head, which tensor parallelism "
+                         "splits over the ranks: not supported yet with --tensor-parallel-size > 1")
     device = config.resolved_draft_device(target.device)
     dtype = getattr(torch, config.resolved_draft_dtype(device, target.device, target.dtype))
     head = load_head(path, model.config, model.embed_tokens, model.lm_head).to(device=device, dtype=dtype)

@@ -190,6 +190,9 @@ class ModelRunner:
             return logits, all_hidden
         return (logits, hidden) if return_hidden else logits
 
+    def check_health(self) -> None:
+        """Nothing can fail outside this process (TPRunner's ranks can)."""
+
     def close(self) -> None:
         """Nothing to stop in this process (TPRunner stops its ranks)."""
 

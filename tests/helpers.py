@@ -1,6 +1,8 @@
 """Helpers the tests share (fixtures are in conftest.py)."""
 from __future__ import annotations
 
+import torch
+
 from runtime.sampling_params import SamplingParams
 from speculators.registry import Speculator, register
 
@@ -50,3 +52,49 @@ def new_engine(**settings):
     from runtime.engine import LLMEngine
     defaults = dict(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", quantization="none")
     return LLMEngine(**{**defaults, **settings})
+
+
+# ---- tiny random HF-format models, loaded by our loader ---------------------------------------
+
+def _randomize(model: torch.nn.Module) -> None:
+    """HF initialises biases to 0 and norms to 1; give them values so that loading them matters."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+
+
+def _tiny_config(kind: str, vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen2":  # q/k/v bias, GQA 4/2, untied head, theta 1e6
+        return Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=False)
+    if kind == "llama3":  # llama3 rope scaling (low/medium/high frequencies all present at head_dim 16)
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True,
+                           rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if kind == "llama_linear":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False,
+                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if kind == "mistral":
+        return MistralConfig(**common, rope_theta=1e6, tie_word_embeddings=False, sliding_window=None)
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, directory, tokenizer, **overrides):
+    """Build a tiny random HF model of `kind`, save it (safetensors) with `tokenizer`; return it."""
+    from transformers import AutoModelForCausalLM
+    config = _tiny_config(kind, len(tokenizer))
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    _randomize(model)
+    model.eval().requires_grad_(False)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save_pretrained(str(directory))
+    return model

@@ -416,6 +416,9 @@ class BrokenEngine:
     def abort(self, request_id) -> bool:
         return False
 
+    def check_health(self) -> None:
+        pass
+
     def step(self):
         raise RuntimeError("boom")
 
