@@ -83,7 +83,8 @@ class EngineSettings:
         """Where the target's ranks run (None: one rank, in this process)."""
         import os
         return TPLaunch.of(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
-                           self.master_port, self.worker_timeout, os.environ if environ is None else environ)
+                           self.master_port, self.worker_timeout, lambda: self.resolved_device().type,
+                           os.environ if environ is None else environ)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -64,7 +64,7 @@ class LLMEngine:
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
         self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, load_device, quantization)
         if launch is not None:
-            self.runner = TPRunner(self.model, config.model, self.dtype, self.device, launch, self._size_kv_pool,
+            self.runner = TPRunner(self.model, config.model, self.dtype, launch, self._size_kv_pool,
                                    config.block_size, config.attention_backend, self._draft_cores())
             num_blocks = self.runner.num_blocks
         else:

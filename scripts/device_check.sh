@@ -84,6 +84,9 @@ run() {
     echo "== GPU tests"
     local tests="tests/kernels/test_triton_attention.py tests/kernels/test_attention.py"
     [ $have_model = 1 ] && tests="$tests tests/kernels/test_cuda.py"
+    local gpus
+    gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+    [ "$gpus" -ge 2 ] && [ $have_model = 1 ] && tests="$tests tests/engine/test_tensor_parallel_engine.py::test_tp2_on_two_gpus_equals_tp1"
     timeout 240 $PY -m pytest -q -x $tests -p no:cacheprovider 2>&1 | tail -15 | tee "$out/tests.txt"
     echo "== benchmarks"
     : > "$out/bench.md"
@@ -105,6 +108,10 @@ run() {
     timeout 180 $PY -m scripts.bench_gpu --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" --max-tokens 32 \
         --fixed-speculation 4 --repeats 1 --systems plain,plain-eager,draft-cpu-overlap,draft-gpu \
         --label "random Qwen2.5 1.5B (draft: random 0.5B)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
+    if [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: TP=1 against TP=2
+        timeout 150 $PY -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16 --model "$STAGE/qwen15" \
+            --batch-sizes 1,16 --max-tokens 32 --repeats 1 2>"$out/bench_tp.log" | tee -a "$out/bench.md"
+    fi
     echo; echo "== summary"; tail -3 "$out/tests.txt"; cat "$out/bench.md"
 }
 

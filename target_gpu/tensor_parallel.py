@@ -75,6 +75,7 @@ class TPLaunch:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (one node), torchrun's 29500 (several)
     timeout_s: float = 60.0  # --worker-timeout
+    device_type: str = "cpu"  # cpu | cuda: rank i of a node takes cuda:i
     torchrun_rank: int | None = None  # RANK, when torchrun started every rank
     torchrun_local_rank: int = 0  # LOCAL_RANK
 
@@ -89,21 +90,23 @@ class TPLaunch:
 
     @classmethod
     def of(cls, tensor_parallel_size: int, nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
-           master_port: int | None = None, timeout_s: float = 60.0, environ=os.environ) -> TPLaunch | None:
+           master_port: int | None = None, timeout_s: float = 60.0, device_type=lambda: "cpu",
+           environ=os.environ) -> TPLaunch | None:
         """From the flags, or from torchrun's environment when it started this process
-        (WORLD_SIZE > 1); None when there is one rank."""
+        (WORLD_SIZE > 1); None when there is one rank. device_type() -> cpu | cuda."""
         if all(name in environ for name in TORCHRUN_VARS) and int(environ["WORLD_SIZE"]) > 1:
             world = int(environ["WORLD_SIZE"])
             if tensor_parallel_size not in (1, world):
                 raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} but torchrun started {world} "
                                  f"ranks (WORLD_SIZE)")
             return cls(world, master_addr=environ["MASTER_ADDR"], master_port=int(environ["MASTER_PORT"]),
-                       timeout_s=timeout_s, torchrun_rank=int(environ["RANK"]),
+                       timeout_s=timeout_s, device_type=device_type(), torchrun_rank=int(environ["RANK"]),
                        torchrun_local_rank=int(environ.get("LOCAL_RANK", 0)))
         if tensor_parallel_size == 1 and nnodes == 1:
             return None
         return cls(tensor_parallel_size, nnodes, node_rank, master_addr or "127.0.0.1",
-                   master_port if master_port is not None else (29500 if nnodes > 1 else None), timeout_s)
+                   master_port if master_port is not None else (29500 if nnodes > 1 else None), timeout_s,
+                   device_type())
 
     @property
     def ranks_per_node(self) -> int:
@@ -144,7 +147,6 @@ class RankSetup:
 
     model_path: str
     dtype: str
-    device_type: str  # cpu | cuda: rank i of a node takes cuda:i
     num_blocks: int
     block_size: int
     attention_backend: str
@@ -157,20 +159,26 @@ def _join(launch: TPLaunch, rank: int, step_timeout_s: float):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=step_timeout_s))
 
 
+def _rank_device(launch: TPLaunch, local_rank: int) -> torch.device:
+    """cuda:(local rank), made this process's current device, or the CPU."""
+    if launch.device_type != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def _tensor_group(device: torch.device, steps):
     """The group for activations: NCCL between GPUs, else the step group itself."""
     return dist.new_group(backend="nccl") if device.type == "cuda" else steps
 
 
-def _device(setup: RankSetup, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if setup.device_type == "cuda" else torch.device("cpu")
-
-
-def _shard_runner(model, setup: RankSetup, rank: int, world: int, device: torch.device, tensors) -> ModelRunner:
+def _shard(model, rank: int, world: int, device: torch.device, tensors):
+    """Keep this rank's shard of a model loaded on the host and move it to `device`; its config."""
     config = sharded_config(model.config, world)
     shard_model(model, TPGroup(rank, world, tensors))
     model.to(device)
-    return ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
+    return config
 
 
 # ---- worker ranks ------------------------------------------------------------------------------
@@ -195,14 +203,15 @@ def run_rank(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | No
         torch.set_num_threads(1)
     try:
         steps = _join(launch, rank, 2 * launch.timeout_s)
+        device = _rank_device(launch, local_rank)
+        tensors = _tensor_group(device, steps)
         message = [None]
         dist.broadcast_object_list(message, src=0)
         setup: RankSetup = message[0]
-        device = _device(setup, local_rank)
-        tensors = _tensor_group(device, steps)
         from runtime.models.loader import load_model
         model = load_model(setup.model_path, setup.dtype, torch.device("cpu"), "none")[0]
-        runner = _shard_runner(model, setup, rank, launch.world_size, device, tensors)
+        config = _shard(model, rank, launch.world_size, device, tensors)
+        runner = ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
         dist.barrier()  # loaded
         while True:
             dist.broadcast_object_list(message, src=0, group=steps)
@@ -220,6 +229,10 @@ def run_rank(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | No
 
 
 def _spawned_main(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | None, parent_pid: int) -> None:
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the parent drains
+    # and then stops this rank, which must keep serving until then
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     code = run_rank(launch, rank, local_rank, cores)
@@ -289,6 +302,7 @@ class _Ranks:
     def __init__(self, launch: TPLaunch, workers: dict[int, mp.Process]):
         self.launch, self.workers = launch, workers
         self.steps = None  # the step group, once joined
+        self.ready = False  # every rank loaded and waiting for commands
         self.lock = threading.Lock()
         self.error: TPWorkerError | None = None
         self.last_sent = time.monotonic()
@@ -339,7 +353,7 @@ class _Ranks:
             if not due or not self.lock.acquire(blocking=False):  # busy: a step is under way
                 continue
             try:
-                if self.steps is None:  # closed meanwhile
+                if not self.ready:  # closed meanwhile
                     return
                 with self._failures():
                     self._broadcast("ping", ())
@@ -383,14 +397,16 @@ class _Ranks:
         """Stop the ranks and leave the process group (idempotent; no hang on a failure)."""
         self._stopped.set()
         with self.lock:
-            if self.steps is not None and self.error is None:
+            stopping = self.ready and self.error is None
+            if stopping:
                 try:
                     dist.broadcast_object_list([("stop", ())], src=0, group=self.steps)
                 except Exception as e:  # noqa: BLE001 - shutting down: kill what does not stop
                     log.warning("tensor parallel: stopping the ranks failed: %s", e)
-            self.steps = None
+                    stopping = False
+            self.steps, self.ready = None, False
             for worker in self.workers.values():
-                worker.join(timeout=10 if self.error is None else 0.5)
+                worker.join(timeout=10 if stopping else 0.5)
                 if worker.is_alive():
                     worker.kill()
                     worker.join(timeout=5)
@@ -405,14 +421,16 @@ class _Ranks:
 class TPRunner:
     """ModelRunner's interface over the ranks of `launch`; this process is rank 0."""
 
-    def __init__(self, model, model_path: str, dtype: str, device: torch.device, launch: TPLaunch,
+    def __init__(self, model, model_path: str, dtype: str, launch: TPLaunch,
                  num_blocks_of, block_size: int, attention_backend: str = "torch", draft_cores: list[int] = ()):
-        """model: the whole model, loaded on the CPU (this rank keeps its shard, moved to
-        `device`); num_blocks_of(per-rank ModelConfig) -> the KV blocks every rank allocates;
+        """model: the whole model, loaded on the CPU (this rank keeps its shard: on
+        cuda:(local rank) or the CPU, as launch.device_type says); num_blocks_of(per-rank
+        ModelConfig) -> the KV blocks every rank allocates, measured with the shard in place;
         draft_cores: cores the draft worker will take (no rank is pinned there)."""
         launch = launch.with_port()
         world = launch.world_size
-        cores = _node_cores(launch, list(draft_cores)) if device.type == "cpu" else None
+        sharded_config(model.config, world)  # a model that does not divide fails before anything starts
+        cores = _node_cores(launch, list(draft_cores)) if launch.device_type == "cpu" else None
         self._ranks = ranks = _Ranks(launch, _spawn(launch, cores))
         self._finalizer = weakref.finalize(self, ranks.close)
         try:
@@ -421,19 +439,21 @@ class TPRunner:
             log.info("tensor parallel: %d ranks (%d node%s), waiting for them at %s", world, launch.nnodes,
                      "s" if launch.nnodes > 1 else "", launch.init_method)
             self._while_workers_live(lambda: setattr(ranks, "steps", _join(launch, 0, launch.timeout_s)))
-            config = sharded_config(model.config, world)
-            setup = RankSetup(model_path, dtype, device.type, num_blocks_of(config), block_size, attention_backend)
-            self._while_workers_live(lambda: dist.broadcast_object_list([setup], src=0))
+            device = _rank_device(launch, launch.local_rank)
             tensors = _tensor_group(device, ranks.steps)
-            self.runner = _shard_runner(model, setup, 0, world, device, tensors)
+            config = _shard(model, 0, world, device, tensors)  # before sizing the KV cache: the shard is there
+            setup = RankSetup(model_path, dtype, num_blocks_of(config), block_size, attention_backend)
+            self._while_workers_live(lambda: dist.broadcast_object_list([setup], src=0))
+            self.runner = ModelRunner(model, config, setup.num_blocks, block_size, device, attention_backend)
             self._while_workers_live(dist.barrier)  # every rank loaded
+            ranks.ready = True
         except BaseException:
             self.close()
             raise
         ranks.start_heartbeat()
         self.world_size, self.num_blocks, self.config = world, setup.num_blocks, config
         log.info("tensor parallel: %d ranks over gloo%s, %d KV blocks each; cores: %s", world,
-                 " (tensors over NCCL)" if device.type == "cuda" else "", setup.num_blocks,
+                 " (tensors over NCCL)" if launch.device_type == "cuda" else "", setup.num_blocks,
                  "; ".join(f"rank {i} {format_core_list(c)}" for i, c in enumerate(cores)) if cores else "not pinned")
 
     def _while_workers_live(self, fn) -> None:

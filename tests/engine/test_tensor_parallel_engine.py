@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.models.loader import DEFAULT_MODEL
@@ -83,6 +84,7 @@ def kv_bytes(model_dir: str, tp: int, blocks: int = 16) -> int:
     return blocks * 16 * per_token
 
 
+@pytest.mark.parametrize("tiny_dir", ["qwen2"], indirect=True)
 def test_two_nodes_on_localhost_equal_tp1(tiny_dir, generate):
     """Node 1 is `python -m runtime.serve --nnodes 2 --node-rank 1 ...` (it runs its rank only,
     no server); node 0 is the engine here. One rank per node."""
@@ -110,6 +112,7 @@ def test_two_nodes_on_localhost_equal_tp1(tiny_dir, generate):
             node1.kill()
 
 
+@pytest.mark.parametrize("tiny_dir", ["llama3"], indirect=True)
 def test_torchrun_ranks_equal_tp1(tiny_dir, tmp_path, generate):
     """`torchrun --nproc-per-node 2 -m runtime.generate`: rank 0 writes the outputs, rank 1 runs
     its shard; no --tensor-parallel-size needed (WORLD_SIZE says it)."""
@@ -156,3 +159,46 @@ def test_launch_from_flags_and_from_torchruns_environment():
     assert (torchrun.world_size, torchrun.rank, torchrun.local_rank, torchrun.spawned) == (2, 1, 1, [])
     with pytest.raises(ValueError, match="torchrun started 2"):
         TPLaunch.of(4, environ=env)
+
+
+@pytest.mark.parametrize("tiny_dir", ["llama3"], indirect=True)
+def test_ranks_pinned_to_their_own_cores_and_released(tiny_dir):
+    """Two ranks on two or more cores: the worker on its share, the engine's process on the
+    first (with the remainder); close() gives this process its cores back."""
+    from draft_cpu.placement import available_cores, split_cores
+    cores = available_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    shares = split_cores(cores, 2)
+    engine = new_engine(model=tiny_dir, tensor_parallel_size=2)
+    try:
+        worker = engine.runner.workers[1]
+        assert sorted(os.sched_getaffinity(worker.pid)) == shares[1]
+        assert available_cores() == shares[0]
+    finally:
+        engine.close()
+    assert available_cores() == cores
+
+
+def test_split_cores():
+    from draft_cpu.placement import split_cores
+    assert split_cores(list(range(8)), 3) == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    assert split_cores(list(range(8)), 2, reserved=[6, 7]) == [[0, 1, 2], [3, 4, 5]]
+    assert split_cores([0, 1], 3) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_equals_tp1(engine_f32, generate):
+    """The CUDA path (rank i on cuda:i, activations over NCCL) on a tiny model: 32 greedy
+    tokens equal to one GPU's, float32 (scripts/device_check.sh runs it on a multi-GPU box)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as directory:
+        save_tiny_model("qwen2", directory, engine_f32.tokenizer)
+        outputs = {}
+        for tp in (1, 2):
+            engine = new_engine(model=directory, device="cuda", tensor_parallel_size=tp, kv_cache_memory="64MiB")
+            try:
+                outputs[tp] = generate(engine, PROMPTS, greedy(32))
+            finally:
+                engine.close()
+    assert outputs[2] == outputs[1]

@@ -12,7 +12,6 @@ names the rank, and no process is left behind.
 On a tiny random Llama at TP=2 (one worker process)."""
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from tests.helpers import greedy, save_tiny_model
 
