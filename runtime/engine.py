@@ -106,10 +106,8 @@ class LLMEngine:
                                               config.kv_cache_memory, self.device,
                                               config.kv_cache_default_fraction(self.device, self._ranks_per_host))
         self.kv_capacity_tokens = capacity = num_blocks * config.block_size
-        if mc.max_context_len < mc.max_position_embeddings:
-            log.warning("sliding window of %d tokens: max_model_len capped there (windowed attention is not "
-                        "implemented)", mc.max_context_len)
-        self.max_model_len = min(config.max_model_len or mc.max_context_len, mc.max_context_len, capacity)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                                 capacity)
         log.info("model %s (%s, %d layers) on %s in %s; linear layers: %s; KV cache: %d blocks x %d tokens = %d "
                  "tokens (%.1f MiB); max_model_len %d", config.model, mc.architecture, mc.num_layers, self.device,
                  self.dtype, linear_kernels(self.model), num_blocks, config.block_size, capacity,

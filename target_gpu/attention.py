@@ -139,17 +139,37 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, seqs: list[SeqAttentionInput], slot_mapping: torch.Tensor, block_size: int,
-              num_queries_per_kv: int, device: torch.device, for_kernel: bool = False) -> "AttentionMetadata":
+              num_queries_per_kv: int, device: torch.device, for_kernel: bool = False,
+              window: int | None = None) -> "AttentionMetadata":
+        """window: the model's sliding window (the reference backend only: a kernel refuses
+        such a model, make_attention_backend)."""
         num_tokens = sum(s.query_len for s in seqs)
         if for_kernel:
             return cls(slot_mapping, [], num_tokens, KernelMetadata.build(seqs, block_size, num_queries_per_kv, device))
         short = [s for s in seqs if s.query_len <= MAX_BATCHED_QUERY_LEN]
-        groups = [_build_group(g, block_size, num_queries_per_kv, device)
+        groups = [_build_group(g, block_size, num_queries_per_kv, device, window)
                   for g in ([short] if short else []) + [[s] for s in seqs if s.query_len > MAX_BATCHED_QUERY_LEN]]
         return cls(slot_mapping, groups, num_tokens)
 
 
-def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device) -> AttentionGroup:
+def _window_mask(s: SeqAttentionInput, key_len: int, window: int) -> torch.Tensor:
+    """[Q, L] bool: the keys a sliding window leaves to each new token of s, whose position
+    is its key index when causal and, under a tree mask, the first masked key's index plus
+    the number of its masked keys (its ancestors) minus one. A query at position p sees keys
+    at positions p - window + 1 .. p; keys inside the mask's region (a tree's own nodes, within
+    a few positions of the query) are left to the mask."""
+    masked = 0 if s.mask is None else s.mask.shape[1]
+    first_masked = s.seq_len - masked
+    if s.mask is None:
+        positions = torch.arange(s.seq_len - s.query_len, s.seq_len)  # [Q]
+    else:
+        positions = first_masked + s.mask.sum(1) - 1  # [Q]
+    keys = torch.arange(key_len)[None, :]  # [1, L]
+    return (keys > positions[:, None] - window) | (keys >= first_masked)
+
+
+def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device,
+                 window: int | None = None) -> AttentionGroup:
     b = len(seqs)
     q_max = max(s.query_len for s in seqs)
     key_len = max(s.seq_len for s in seqs)
@@ -171,6 +191,8 @@ def _build_group(seqs: list[SeqAttentionInput], block_size: int, g: int, device)
             assert q == s.query_len and s.query_len <= m <= s.seq_len, (s.mask.shape, s.query_len, s.seq_len)
             mask[i, :q, :s.seq_len - m] = True
             mask[i, :q, s.seq_len - m:s.seq_len] = s.mask
+        if window is not None and s.seq_len > window:
+            mask[i, :s.query_len] &= _window_mask(s, key_len, window)
         mask[i, s.query_len:, 0] = True  # padded rows attend somewhere, so softmax stays finite
     # [B, Q, L] -> [B, 1, G*Q, L]: the same mask for each of the G query heads of a KV head
     attn_mask = mask.unsqueeze(1).expand(b, g, q_max, key_len).reshape(b, 1, g * q_max, key_len)

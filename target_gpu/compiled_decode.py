@@ -28,9 +28,10 @@ from target_gpu.kv_cache import KVCache
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor) -> torch.Tensor:
+                           seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k, v [B, Hkv, D] (one new token each) -> [B, Hq, D].
-    k_cache, v_cache [num_blocks, block_size, Hkv, D]; slots, seq_lens [B]; block_tables [B, NB]."""
+    k_cache, v_cache [num_blocks, block_size, Hkv, D]; slots, seq_lens [B]; block_tables [B, NB];
+    window: a sliding window (the query sees its last `window` keys, itself included)."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
@@ -41,7 +42,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     keys = k_cache[block_tables].flatten(1, 2)[:, :, :, None, :].float()  # [B, L, Hkv, 1, D], L = NB * block_size
     values = v_cache[block_tables].flatten(1, 2)[:, :, :, None, :].float()
     length = keys.shape[1]
-    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    key_index = torch.arange(length, device=q.device)[None, :]
+    mask = key_index < seq_lens[:, None]  # [B, L]
+    if window is not None:
+        mask &= key_index >= seq_lens[:, None] - window
     queries = q.view(b, 1, num_kv_heads, g, head_dim).float()  # the G query heads of a KV head share its keys
     # products and sums rather than matmuls (or F.scaled_dot_product_attention): Inductor reads
     # the gathered keys and values in place, in the cache's layout, with no transposed copy (and
@@ -58,7 +62,7 @@ def decode_step(model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor
 
     def attention(layer_idx, q, k, v):
         return paged_decode_attention(q, k, v, k_caches[layer_idx], v_caches[layer_idx], slots, block_tables,
-                                      seq_lens)
+                                      seq_lens, model.config.sliding_window)
 
     hidden = model(input_ids, positions, attention, feature_layers)  # [B, H']
     return model.compute_logits(hidden[:, :model.config.hidden_size]), hidden

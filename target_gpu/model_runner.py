@@ -44,13 +44,17 @@ class GraphLimits:
     capture: bool = True
 
 
-def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device):
+def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device, window: int | None = None):
     """'auto' | 'torch' | 'triton' -> a backend over kv_cache. auto: Triton on CUDA when it
     can run there, else the PyTorch reference. ValueError when Triton is asked for and
-    cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim)."""
+    cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim, a model with
+    a sliding window: `window`)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "triton" and window is not None:
+        raise ValueError(f"the Triton attention backend has no sliding window yet (this model's is {window} "
+                         f"tokens): use --attention-backend torch")
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or window is not None)):
         return TorchAttentionBackend(kv_cache)
     from target_gpu.triton_attention import TritonAttentionBackend, unsupported_reason  # imports triton
     if name == "auto" and (reason := unsupported_reason(kv_cache)):
@@ -84,7 +88,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_cache = KVCache(config, num_blocks + 1, block_size, model.dtype, device)
-        self.attention = make_attention_backend(attention_backend, self.kv_cache, device)
+        self.attention = make_attention_backend(attention_backend, self.kv_cache, device, config.sliding_window)
         self.feature_layers: tuple[int, ...] = ()
         self.graph_limits = graphs if graphs is not None and self.attention.needs_kernel_metadata else None
         self.graphs = None
@@ -177,7 +181,7 @@ class ModelRunner:
         backend = self.attention
         meta = AttentionMetadata.build(step.attn_inputs, torch.tensor(step.slots, dtype=torch.long, device=device),
                                        self.block_size, self.config.num_heads // self.config.num_kv_heads, device,
-                                       for_kernel=backend.needs_kernel_metadata)
+                                       for_kernel=backend.needs_kernel_metadata, window=self.config.sliding_window)
 
         def attention(layer_idx, q, k, v):
             return backend.forward(layer_idx, q, k, v, meta)

@@ -34,9 +34,8 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mistral / Qwen2 sliding-window attention: the attention backend attends to the whole
-    # context, which equals the windowed result only while the context fits in the window,
-    # so the engine caps max_model_len at it.
+    # Mistral / Qwen2 sliding-window attention: each token sees its last `sliding_window`
+    # positions, itself included (the reference attention backend and the compiled decode step)
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +66,14 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
             window = None
+        layers = cfg["num_hidden_layers"]
+        if model_type == "qwen2" and window is not None:  # HF: layers from max_window_layers on are windowed
+            first_windowed = cfg.get("max_window_layers", layers)
+            if first_windowed >= layers:
+                window = None
+            elif first_windowed > 0:
+                raise UnsupportedModelError(f"sliding window on layers {first_windowed} and up only "
+                                            f"(max_window_layers): one window for every layer is supported")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -89,7 +96,3 @@ class ModelConfig:
             sliding_window=window,
         )
 
-    @property
-    def max_context_len(self) -> int:
-        """The longest context this decoder computes exactly."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)

@@ -220,16 +220,52 @@ def test_tiny_greedy_matches_hf(tiny, generate, prompt_ids):
     assert generate(engine, prompt_ids, greedy(32)) == expected
 
 
-def test_mistral_sliding_window_caps_the_context(engine_f32, tmp_path, prompt_ids):
-    """Windowed attention is not implemented, so the context is capped at the window:
-    inside it the logits equal HF's, and a longer prompt is refused rather than miscomputed."""
+@pytest.mark.parametrize("attention", ["reference", "compiled decode"])
+def test_mistral_sliding_window_matches_hf_past_the_window(engine_f32, tmp_path, prompt_ids, generate, attention):
+    """A window of 8 tokens with prompts of up to ~40 and 24 more decoded: prefill (batched
+    and one call per long prompt) and decode logits equal HF's, and so do greedy outputs
+    (decoded by the compiled step when it is on); the context is no longer capped."""
     from runtime.engine import LLMEngine
     hf_model = save_tiny_model("mistral", tmp_path, engine_f32.tokenizer, sliding_window=8)
-    engine = LLMEngine(enforce_eager=True, model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
-    assert engine.max_model_len == 8
-    check_prefill_and_decode(engine, hf_model, [prompt_ids[2][:5]], num_decode=2)
-    with pytest.raises(ValueError, match="context"):
-        engine.add_request(prompt_ids[2][:8])
+    engine = LLMEngine(enforce_eager=attention == "reference", model=str(tmp_path), dtype="float32", device="cpu",
+                       kv_cache_memory="16MiB")
+    assert engine.model_config.sliding_window == 8 and engine.max_model_len == 256
+    assert max(len(ids) for ids in prompt_ids) > 8 + 16
+    if attention == "reference":
+        check_prefill_and_decode(engine, hf_model, prompt_ids, num_decode=4)
+    expected = [hf_greedy(hf_model, ids, 24) for ids in prompt_ids]
+    assert generate(engine, prompt_ids, greedy(24)) == expected
+
+
+def test_windowed_tree_verification_equals_plain(engine_f32, tmp_path, prompt_ids, generate):
+    """Trees verified past the window (a wrong first child, then the right chain 3 deep)
+    give plain decoding's greedy output, with drafts accepted."""
+    from runtime.draft_tree import DraftTree
+    from runtime.engine import LLMEngine
+    from speculators.base import Proposer
+    from tests.helpers import toy_speculator
+    save_tiny_model("mistral", tmp_path, engine_f32.tokenizer, sliding_window=8)
+    engine = LLMEngine(enforce_eager=True, model=str(tmp_path), dtype="float32", device="cpu",
+                       kv_cache_memory="16MiB", adaptive_speculation=False)
+    plain = generate(engine, prompt_ids, greedy(40))
+    expected = {tuple(ids): out for ids, out in zip(prompt_ids, plain)}
+
+    class Oracle(Proposer):
+        name = "window-oracle"
+
+        def propose(self, requests):
+            trees = []
+            for r in requests:
+                out = expected[tuple(r.token_ids[:r.num_prompt_tokens])]
+                done = len(r.token_ids) - r.num_prompt_tokens
+                chain = out[done:done + 3]
+                trees.append(DraftTree([(chain[0] + 1) % 49152, *chain], [-1, -1, 1, 2][:1 + len(chain)])
+                             if chain else DraftTree([], []))
+            return trees
+
+    name = toy_speculator("window-oracle", Oracle())
+    assert generate(engine, prompt_ids, greedy(40, speculator=name, num_speculative_tokens=4)) == plain
+    assert engine.stats.num_accepted_tokens > 40
 
 
 # ---- loader errors -------------------------------------------------------------------------
