@@ -15,7 +15,7 @@ from runtime.models.loader import DEFAULT_MODEL, QUANTIZATIONS
 from runtime.platform import cpu_has_bf16_math
 from speculators import registry
 from target_gpu.attention import ATTENTION_BACKENDS
-from target_gpu.tensor_parallel import TPLaunch
+from target_gpu.tp_launch import TPLaunch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

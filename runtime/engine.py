@@ -42,7 +42,8 @@ from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
 from target_gpu.model_runner import GraphLimits, ModelRunner
-from target_gpu.tensor_parallel import TPRunner, run_node
+from target_gpu.tensor_parallel import TPRunner
+from target_gpu.tp_launch import run_node
 
 log = logging.getLogger("runtime.engine")
 

@@ -1,6 +1,8 @@
 """Helpers the tests share (fixtures are in conftest.py)."""
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from runtime.sampling_params import SamplingParams
@@ -98,3 +100,10 @@ def save_tiny_model(kind: str, directory, tokenizer, **overrides):
     model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save_pretrained(str(directory))
     return model
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

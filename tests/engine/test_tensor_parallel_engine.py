@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,19 +20,13 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.models.loader import DEFAULT_MODEL
-from target_gpu.tensor_parallel import TPLaunch
-from tests.helpers import greedy, new_engine, save_tiny_model
+from target_gpu.tp_launch import TPLaunch
+from tests.helpers import free_port, greedy, new_engine, save_tiny_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "List the planets of the solar system in order: Mercury, Venus,"]
 SHARED = "You are a helpful assistant. Answer in one short sentence, plainly and without lists. "
 PREFIXED = [SHARED + q for q in ("What is the sun?", "What is rain?", "Why is the sea salty?", "What is a cat?")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp3_equals_tp1_plain_lookahead_and_draft_model(engine_f32, generate):

@@ -26,8 +26,7 @@ import pytest
 from runtime.async_engine import AsyncEngine
 from runtime.serve import build_app
 from target_gpu.tensor_parallel import TPWorkerError
-from tests.engine.test_tensor_parallel_engine import free_port
-from tests.helpers import greedy, new_engine, save_tiny_model
+from tests.helpers import free_port, greedy, new_engine, save_tiny_model
 from tests.server.test_server import serving
 
 

@@ -2,8 +2,6 @@
 weights, tokenizer) and runs, and the shapes it claims are Qwen2.5-Coder's."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from scripts import make_random_model

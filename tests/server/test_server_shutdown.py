@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import free_port
+
 pytest.importorskip("uvicorn")
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = {"Authorization": "Bearer sekret"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -27,7 +27,6 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.models.config import ModelConfig
-from runtime.sampling_params import SamplingParams
 from speculators.eagle_heads import Eagle3Head, load_head, new_eagle3_head, save_head
 from training.common import Sample, dense_causal_attention, draft_vocabulary, target_states
 from speculators.draft_vocab import DraftVocabulary
@@ -191,11 +190,11 @@ def test_feature_layers_greedy_tokens_and_soft_labels_equal_hf(engine_f32, hf_sm
     samples = [Sample(engine_f32.tokenize(p), 0) for p in PROMPTS[:3]]
     states = list(target_states(engine_f32.model, samples, SMOLLM_LAYERS, top_k=5, progress=False))
     assert [s for s, _, _, _ in states] == samples
-    for s, ours, greedy, (top_ids, top_probs) in states:  # [T, 4H], [T], [T, 5] x 2
+    for s, ours, argmax, (top_ids, top_probs) in states:  # [T, 4H], [T], [T, 5] x 2
         out = hf_smollm(torch.tensor([s.token_ids]), output_hidden_states=True)
         reference = torch.cat([out.hidden_states[-1][0]] + [out.hidden_states[j][0] for j in SMOLLM_LAYERS], dim=-1)
         torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
-        assert greedy.tolist() == out.logits[0].argmax(dim=-1).tolist()
+        assert argmax.tolist() == out.logits[0].argmax(dim=-1).tolist()
         probs = out.logits[0].float().softmax(dim=-1)  # [T, V]
         torch.testing.assert_close(top_probs.float(), probs.topk(5, dim=-1).values, atol=1e-3, rtol=1e-3)
         # the ids are those probabilities' tokens (where HF's ranking ties, either order is right)
