@@ -8,11 +8,19 @@ Kernels (activations stay in the model's dtype; only the weight is quantized):
     z = o + 8 s, and both compute in bf16: scales and zeros are rounded to bf16 (a GGUF
     file's fp16 block scales lose 3 bits: the load log gives the weight error this adds),
     and activations are cast to bf16 for the call.
-  - DequantizingLinear: int4 weights of a float32 model, dequantized per call exactly as
+  - Inputs of more than MANY_ROWS rows (prefill chunks, large batches, verify trees), CPU,
+    bf16: PyTorch's two CPU kernels dequantize inside their inner loop for every 4 rows, so
+    their cost grows with the rows at float32 FMA speed (at 128 rows, 2.5x a bf16 matmul).
+    Above MANY_ROWS a layer runs this project's heterospec_cpu::dequant_gemm instead
+    (runtime/models/cpu_kernels.py: each tile of the weight dequantized once per call into a
+    bf16 GEMM). Int8 layers share their int8 weight with it; int4 layers keep a second copy
+    of their nibbles in its layout (the weight's int4 bytes twice). Where the kernel cannot
+    be built, PyTorch's kernels run at every row count (the load log says which).
+  - DequantizingLinear: int4 and int8 weights of a float32 model, dequantized per call exactly as
     ggml does (s q + o, float32) into a float32 matmul. float32 is the exactness mode (the
     tests' reference); the int4 kernels' bf16 rounding would break it, and the CPU
-    kernel's float32 variant is not vectorised (slower than dequantizing at every row
-    count).
+    kernels' float32 variants are not vectorised (slower than dequantizing at every row
+    count; the int8 one 20x slower at 16 rows).
   - Int8Linear, CPU: `aten._weight_int8pack_mm` (per-row scales); elsewhere a dequantizing
     matmul. With a float layer kept beside it (the draft's --draft-quantization int8 on a
     float model), inputs of more rows than int8 wins at run through the float layer.
@@ -26,6 +34,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from runtime.models.cpu_kernels import dequant_gemm_available
 from runtime.models.packed_linear import PackedLinear, can_prepack
 from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
 
@@ -47,6 +56,18 @@ def bf16_scale_error(weight: QuantizedWeight, scales_and_zeros: torch.Tensor) ->
     zeros = sz[..., 1].t().repeat_interleave(weight.group_size, dim=1)
     exact = weight.permute_rows(rows)
     return relative_rms_error((exact.q.float() - 8) * scales + zeros, exact.dequantize())
+
+
+MANY_ROWS = 24  # more rows than this: dequant_gemm (crossover 16-32 rows: scripts/bench_quant_linear.py)
+TILE_BYTES = 1 << 20  # dequant_gemm's bf16 weight tile (best of 256 KiB .. 16 MiB on 2 MiB of L2)
+
+
+def dequant_gemm_layout_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] of 0..15 -> uint8 [N, K/2]: in each group of 32 weights, byte j holds weight j
+    (low nibble) and weight j + 16 (high nibble)."""
+    n, k = q.shape
+    halves = q.view(n, k // 32, 2, 16).to(torch.uint8)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 class QuantizedLinear(nn.Module):
@@ -79,6 +100,27 @@ class QuantizedLinear(nn.Module):
     def packed_device(self) -> torch.device:
         return next(self.buffers()).device
 
+    def _keep_for_many_rows(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype,
+                            many_rows: int | None) -> int | None:
+        """Keep dequant_gemm's scales and offsets where it runs (the CPU, bf16 activations, the
+        kernel built); the rows above which it runs, or None."""
+        align = 32 if weight.bits == 4 else 16
+        if (many_rows is None or device.type != "cpu" or dtype != torch.bfloat16 or weight.shape[1] % align
+                or weight.group_size % align or not dequant_gemm_available()):
+            return None
+        self.register_buffer("gemm_scales", weight.scales.float().contiguous().to(device))  # [N, K/group]
+        offsets = None if weight.offsets is None else weight.offsets.float().contiguous().to(device)
+        self.register_buffer("gemm_offsets", offsets)  # [N, K/group]
+        return many_rows
+
+    def _quant_linear(self, x2: torch.Tensor, q: torch.Tensor, small_weight: torch.Tensor,
+                      small_scales: torch.Tensor) -> torch.Tensor:
+        """x2 bf16 [M, K] -> [M, N]: PyTorch's kernel up to many_rows rows, dequant_gemm (over q,
+        the weight in its layout) above."""
+        return torch.ops.heterospec_cpu.quant_linear(x2, q, self.gemm_scales, self.gemm_offsets,
+                                                    self.bits, self.gemm_group, small_weight, small_scales,
+                                                    self.many_rows, TILE_BYTES)
+
     def _finish(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
@@ -90,8 +132,11 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
+    bits = 4
+
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, many_rows: int | None = MANY_ROWS):
+        """many_rows: inputs of more rows run dequant_gemm on the CPU (None: never)."""
         super().__init__(weight, bias, dtype, device)
         if weight.bits != 4:
             raise ValueError("Int4Linear needs a 4-bit weight")
@@ -112,12 +157,19 @@ class Int4Linear(QuantizedLinear):
         else:
             self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
             self.kernel = "int4 aten._weight_int4pack_mm_for_cpu"
+        self.gemm_group = weight.group_size
+        self.many_rows = None if self.on_cuda else self._keep_for_many_rows(weight, device, dtype, many_rows)
+        if self.many_rows is not None:
+            self.register_buffer("gemm_q", dequant_gemm_layout_int4(weight.q).to(device))  # [N, K/2]
+            self.kernel += f" (<= {self.many_rows} rows), heterospec_cpu.dequant_gemm (more)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)  # [M, K]
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed_weight, self.group_size, self.scales_and_zeros)
+        elif self.many_rows is not None:
+            y = self._quant_linear(x2, self.gemm_q, self.packed_weight, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, self.group_size,
                                                            self.scales_and_zeros)
@@ -125,30 +177,34 @@ class Int4Linear(QuantizedLinear):
 
 
 class DequantizingLinear(QuantizedLinear):
-    kernel = "int4 dequantized per call (float32)"
-
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device):
         super().__init__(weight, bias, dtype, device)
+        self.kernel = f"int{weight.bits} dequantized per call (float32)"
         self.group_size = weight.group_size
-        offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
         self.register_buffer("q", weight.q.to(device))  # [N, K]
         self.register_buffer("scales", weight.scales.to(device))  # [N, G]
-        self.register_buffer("offsets", offsets.to(device))  # [N, G]
+        self.register_buffer("offsets", None if weight.offsets is None else weight.offsets.to(device))  # [N, G]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.q.shape
         g = self.group_size
-        w = (self.scales[..., None] * self.q.view(n, k // g, g).float() + self.offsets[..., None]).view(n, k)
-        return nn.functional.linear(x, w.to(x.dtype), self.bias)
+        w = self.scales[..., None] * self.q.view(n, k // g, g).float()  # [N, G, g]
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return nn.functional.linear(x, w.view(n, k).to(x.dtype), self.bias)
 
 
 class Int8Linear(QuantizedLinear):
     """Per-row int8. With float_layer (and max_int8_rows) set, inputs of more rows than
-    max_int8_rows run through float_layer instead."""
+    max_int8_rows run through float_layer instead; without, through dequant_gemm above
+    many_rows rows (the CPU, bf16; None: never)."""
+
+    bits = 8
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device, float_layer: nn.Module | None = None, max_int8_rows: int | None = None):
+                 device: torch.device, float_layer: nn.Module | None = None, max_int8_rows: int | None = None,
+                 many_rows: int | None = MANY_ROWS):
         super().__init__(weight, bias, dtype, device)
         if weight.bits != 8 or weight.offsets is not None or weight.group_size != self.in_features:
             raise ValueError("Int8Linear needs a symmetric 8-bit weight with one scale per row")
@@ -157,13 +213,20 @@ class Int8Linear(QuantizedLinear):
         self.float_layer, self.max_int8_rows = float_layer, max_int8_rows
         self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
         self.kernel = "int8 aten._weight_int8pack_mm" if self.has_int8_kernel else "int8 dequantizing matmul"
+        self.gemm_group = weight.group_size
+        self.many_rows = None if float_layer is not None or not self.has_int8_kernel else \
+            self._keep_for_many_rows(weight, device, dtype, many_rows)
+        if self.many_rows is not None:
+            self.kernel += f" (<= {self.many_rows} rows), heterospec_cpu.dequant_gemm (more)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.float_layer is not None and self.max_int8_rows is not None and x2.shape[0] > self.max_int8_rows:
             return self.float_layer(x)
-        if self.has_int8_kernel:
+        if self.many_rows is not None:
+            y = self._quant_linear(x2, self.weight_int8, self.weight_int8, self.scales)
+        elif self.has_int8_kernel:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
         else:
             y = nn.functional.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
@@ -186,10 +249,10 @@ def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | Non
                 device: torch.device, prepack: bool = True) -> nn.Module:
     """The one place that decides which kernel a linear layer gets, from its weight's form."""
     if isinstance(weight, QuantizedWeight):
-        if weight.bits == 8:
-            return Int8Linear(weight, bias, dtype, device)
         if dtype == torch.float32:
             return DequantizingLinear(weight, bias, dtype, device)
+        if weight.bits == 8:
+            return Int8Linear(weight, bias, dtype, device)
         return Int4Linear(weight, bias, dtype, device)
     return float_linear(weight.to(device, dtype), None if bias is None else bias.to(device, dtype), prepack)
 

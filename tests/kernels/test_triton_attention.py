@@ -36,7 +36,7 @@ from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAtte
 from target_gpu.kv_cache import KVCache  # noqa: E402
 from target_gpu.model_runner import GraphLimits, ModelRunner, make_attention_backend  # noqa: E402
 from target_gpu.triton_attention import TritonAttentionBackend  # noqa: E402
-from test_attention import causal_mask, naive_attention, tree_mask  # noqa: E402
+from tests.kernels.test_attention import causal_mask, naive_attention, tree_mask  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 ROOT = Path(__file__).resolve().parents[2]

@@ -107,7 +107,7 @@ def test_quantized_checkpoints_match_hf_on_their_dequantized_weights(tiny_float,
     from transformers import AutoModelForCausalLM
 
     from runtime.models.loader import load_model
-    from test_quantization import causal_attention
+    from tests.models.test_quantization import causal_attention
     reference_dir = write_layout(tiny_float, tmp_path / layout, layout)
     model, _, _ = load_model(str(tmp_path / layout), "float32", "cpu", quantization="auto")
     kernels = linear_kernels(model)

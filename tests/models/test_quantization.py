@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.models import quant_linear
 from runtime.models.quant_linear import DequantizingLinear, Int4Linear, Int8Linear, linear_kernels, make_linear
 from runtime.models.quantized_weight import (QuantizedWeight, UnsupportedQuantizationError, gguf_int4_exact,
                                              gguf_quantized, quantize_int4, quantize_int8, relative_rms_error)
@@ -129,10 +130,14 @@ def test_float32_int4_layers_compute_ggmls_weight_exactly():
 def test_int8_linear_computes_its_weight():
     w = torch.randn(64, 128)
     weight = quantize_int8(w, "float32 quantized")
-    layer = make_linear(weight, None, torch.float32, CPU)
-    assert isinstance(layer, Int8Linear)
+    exact = make_linear(weight, None, torch.float32, CPU)  # float32: dequantized exactly
+    assert isinstance(exact, DequantizingLinear)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(layer(x), x @ weight.dequantize().T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(exact(x), torch.nn.functional.linear(x, weight.dequantize()))
+    layer = make_linear(weight, None, torch.bfloat16, CPU)
+    assert isinstance(layer, Int8Linear)
+    torch.testing.assert_close(layer(x.bfloat16()).float(), x.bfloat16().float() @ weight.dequantize().T,
+                               atol=2e-2, rtol=2e-2)
     assert weight.error == pytest.approx(relative_rms_error(weight.dequantize(), w))
 
 
@@ -164,7 +169,7 @@ def test_auto_keeps_the_default_models_precision_classes(default_int4):
     kernels = linear_kernels(model)
     assert f"{4 * config.num_layers} int4" in kernels and "(Q4_1" in kernels
     assert "1 int8" in kernels and "Q8_0 requantized" in kernels
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].mlp.down_proj, DequantizingLinear)
+    assert isinstance(model.lm_head, DequantizingLinear) and isinstance(model.layers[0].mlp.down_proj, DequantizingLinear)
     assert model.embed_tokens.weight.dtype == torch.float32  # the embedding table stays float
     assert "aten.linear" not in kernels and "prepacked" not in kernels
 
@@ -175,13 +180,21 @@ def default_int4_bf16():
     return load_model("smollm2-135m", "bfloat16", "cpu", quantization="auto")
 
 
+LONG_PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+               "nothing to do: once or twice she had peeped into the book her sister was reading, but it had "
+               "no pictures or conversations in it, and what is the use of a book, thought Alice")
+
+
 @torch.inference_mode()
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_auto_quantized_default_model_stays_close_to_hf(request, precision, hf_smollm):
+@pytest.mark.parametrize("precision,prompt", [("float32", "short"), ("bfloat16", "short"), ("bfloat16", "long")])
+def test_auto_quantized_default_model_stays_close_to_hf(request, precision, prompt, hf_smollm):
+    """bf16, long: a prefill of more rows than MANY_ROWS (dequant_gemm where it builds)."""
     model, tokenizer, _ = request.getfixturevalue("default_int4" if precision == "float32" else "default_int4_bf16")
     if precision == "bfloat16":
         assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)  # the int4 kernel
-    ids = tokenizer("The capital of France is Paris. The largest planet of the solar system is")["input_ids"]
+    text = LONG_PROMPT if prompt == "long" else "The capital of France is Paris. The largest planet of the solar system is"
+    ids = tokenizer(text)["input_ids"]
+    assert (len(ids) > quant_linear.MANY_ROWS) == (prompt == "long")
     logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), causal_attention))  # [T, V]
     reference = hf_smollm(torch.tensor([ids])).logits[0].float()  # [T, V]
     log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
@@ -237,7 +250,7 @@ def test_sampled_draft_speculation_on_a_quantized_target_follows_the_target(quan
     """600 requests of three tokens: the first from the prefill, the second from verifying the
     draft model's tree. Given the commonest first token, the second must follow the quantized
     target's own next-token distribution (Pearson chi-square, p > 0.01)."""
-    from test_rejection_sampler import chi2_sf
+    from tests.unit.test_rejection_sampler import chi2_sf
     engine, prompt = quantized_engine, PROMPTS[2]
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1000 + i, speculator="draft")
               for i in range(600)]

@@ -22,7 +22,7 @@ from runtime.engine import LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.serve import build_app  # noqa: E402
 from speculators import Proposer  # noqa: E402
-from test_server import eventually, metric, run_directly, serving, sse_events, wait_idle  # noqa: E402
+from tests.server.test_server import eventually, metric, run_directly, serving, sse_events, wait_idle  # noqa: E402
 from tests.helpers import toy_speculator
 
 MODEL = "smollm2-135m"

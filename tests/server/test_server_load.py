@@ -19,7 +19,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.serve import build_app  # noqa: E402
-from test_server import metric, run_directly, serving, wait_idle  # noqa: E402
+from tests.server.test_server import metric, run_directly, serving, wait_idle  # noqa: E402
 
 MODEL = "smollm2-135m"
 NUM_CLIENTS = 64
