@@ -16,11 +16,12 @@ Kernels (activations stay in the model's dtype; only the weight is quantized):
     bf16 GEMM). Int8 layers share their int8 weight with it; int4 layers keep a second copy
     of their nibbles in its layout (the weight's int4 bytes twice). Where the kernel cannot
     be built, PyTorch's kernels run at every row count (the load log says which).
-  - DequantizingLinear: int4 and int8 weights of a float32 model, dequantized per call exactly as
-    ggml does (s q + o, float32) into a float32 matmul. float32 is the exactness mode (the
-    tests' reference); the int4 kernels' bf16 rounding would break it, and the CPU
-    kernels' float32 variants are not vectorised (slower than dequantizing at every row
-    count; the int8 one 20x slower at 16 rows).
+  - DequantizedLinear: int4 and int8 weights of a float32 model, dequantized once at load
+    exactly as ggml does (s q + o, float32) into a float32 matmul: float32 is the exactness
+    mode (the tests' reference), which the int4 kernels' bf16 rounding would break; the CPU
+    kernels' float32 variants are not vectorised (the int8 one 20x slower at 16 rows), and
+    dequantizing per call cost more than the float32 weight's reads. So a float32 model
+    holds float32 weights, as with --quantization none, and the load log says so.
   - Int8Linear, CPU: `aten._weight_int8pack_mm` (per-row scales); elsewhere a dequantizing
     matmul. With a float layer kept beside it (the draft's --draft-quantization int8 on a
     float model), inputs of more rows than int8 wins at run through the float layer.
@@ -176,23 +177,22 @@ class Int4Linear(QuantizedLinear):
         return self._finish(y.to(x.dtype), shape)  # [..., N]
 
 
-class DequantizingLinear(QuantizedLinear):
+class DequantizedLinear(QuantizedLinear):
+    """A float32 model's int4/int8 weight, dequantized once at load exactly as ggml does
+    (s q + o in float32): float32 is the exactness mode, so it keeps float32's memory and
+    speed (dequantizing per call instead cost a 0.5B model 6x its decode speed)."""
+
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device):
         super().__init__(weight, bias, dtype, device)
-        self.kernel = f"int{weight.bits} dequantized per call (float32)"
-        self.group_size = weight.group_size
-        self.register_buffer("q", weight.q.to(device))  # [N, K]
-        self.register_buffer("scales", weight.scales.to(device))  # [N, G]
-        self.register_buffer("offsets", None if weight.offsets is None else weight.offsets.to(device))  # [N, G]
+        self.kernel = f"int{weight.bits} dequantized to float32 at load"
+        self.register_buffer("dequantized", weight.dequantize().to(device))  # [N, K] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.q.shape
-        g = self.group_size
-        w = self.scales[..., None] * self.q.view(n, k // g, g).float()  # [N, G, g]
-        if self.offsets is not None:
-            w = w + self.offsets[..., None]
-        return nn.functional.linear(x, w.view(n, k).to(x.dtype), self.bias)
+        return nn.functional.linear(x, self.dequantized.to(x.dtype), self.bias)
 
 
 class Int8Linear(QuantizedLinear):
@@ -250,7 +250,7 @@ def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | Non
     """The one place that decides which kernel a linear layer gets, from its weight's form."""
     if isinstance(weight, QuantizedWeight):
         if dtype == torch.float32:
-            return DequantizingLinear(weight, bias, dtype, device)
+            return DequantizedLinear(weight, bias, dtype, device)
         if weight.bits == 8:
             return Int8Linear(weight, bias, dtype, device)
         return Int4Linear(weight, bias, dtype, device)

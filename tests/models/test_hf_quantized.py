@@ -16,7 +16,7 @@ import torch
 
 from scripts import make_random_model
 
-from runtime.models.quant_linear import DequantizingLinear, Int4Linear, linear_kernels  # noqa: E402
+from runtime.models.quant_linear import DequantizedLinear, Int4Linear, linear_kernels  # noqa: E402
 from runtime.models.quantized_weight import UnsupportedQuantizationError, quantize_int4  # noqa: E402
 
 GROUP = 32
@@ -114,7 +114,7 @@ def test_quantized_checkpoints_match_hf_on_their_dequantized_weights(tiny_float,
     if layout == "fp8":
         assert "int4" not in kernels and "float32" in kernels
     else:
-        assert isinstance(model.layers[0].self_attn.qkv_proj, DequantizingLinear) and kernels.count("int4") == 1
+        assert isinstance(model.layers[0].self_attn.qkv_proj, DequantizedLinear) and kernels.count("int4") == 1
     hf = AutoModelForCausalLM.from_pretrained(str(reference_dir), torch_dtype=torch.float32).eval()
     ids = torch.tensor([5, 17, 300, 42, 9, 1000, 77, 256])
     ours = model.compute_logits(model(ids, torch.arange(len(ids)), causal_attention))

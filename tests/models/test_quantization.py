@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from runtime.models import quant_linear
-from runtime.models.quant_linear import DequantizingLinear, Int4Linear, Int8Linear, linear_kernels, make_linear
+from runtime.models.quant_linear import DequantizedLinear, Int4Linear, Int8Linear, linear_kernels, make_linear
 from runtime.models.quantized_weight import (QuantizedWeight, UnsupportedQuantizationError, gguf_int4_exact,
                                              gguf_quantized, quantize_int4, quantize_int8, relative_rms_error)
 from runtime.sampling_params import SamplingParams
@@ -120,7 +120,7 @@ def test_float32_int4_layers_compute_ggmls_weight_exactly():
     raw = quantize(random_rows(48, 128, seed=2), GGMLQuantizationType.Q4_0)
     weight = gguf_int4_exact(raw, "Q4_0", (48, 128))
     layer = make_linear(weight, None, torch.float32, CPU)
-    assert isinstance(layer, DequantizingLinear)
+    assert isinstance(layer, DequantizedLinear)
     x = torch.randn(7, 128)
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0))  # [48, 128]
     assert torch.equal(layer(x), torch.nn.functional.linear(x, reference))
@@ -131,7 +131,7 @@ def test_int8_linear_computes_its_weight():
     w = torch.randn(64, 128)
     weight = quantize_int8(w, "float32 quantized")
     exact = make_linear(weight, None, torch.float32, CPU)  # float32: dequantized exactly
-    assert isinstance(exact, DequantizingLinear)
+    assert isinstance(exact, DequantizedLinear)
     x = torch.randn(3, 128)
     assert torch.equal(exact(x), torch.nn.functional.linear(x, weight.dequantize()))
     layer = make_linear(weight, None, torch.bfloat16, CPU)
@@ -169,7 +169,7 @@ def test_auto_keeps_the_default_models_precision_classes(default_int4):
     kernels = linear_kernels(model)
     assert f"{4 * config.num_layers} int4" in kernels and "(Q4_1" in kernels
     assert "1 int8" in kernels and "Q8_0 requantized" in kernels
-    assert isinstance(model.lm_head, DequantizingLinear) and isinstance(model.layers[0].mlp.down_proj, DequantizingLinear)
+    assert isinstance(model.lm_head, DequantizedLinear) and isinstance(model.layers[0].mlp.down_proj, DequantizedLinear)
     assert model.embed_tokens.weight.dtype == torch.float32  # the embedding table stays float
     assert "aten.linear" not in kernels and "prepacked" not in kernels
 
