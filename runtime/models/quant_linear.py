@@ -114,6 +114,12 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("gemm_offsets", offsets)  # [N, K/group]
         return many_rows
 
+    def _takes_op(self, x2: torch.Tensor) -> bool:
+        """Whether x2 goes through heterospec_cpu.quant_linear: above many_rows rows, and
+        always inside a compiled graph (no branch on the row count there); an eager call of
+        few rows takes PyTorch's kernel directly (the op's dispatch costs ~2 us a layer)."""
+        return self.many_rows is not None and (torch.compiler.is_compiling() or x2.shape[0] > self.many_rows)
+
     def _quant_linear(self, x2: torch.Tensor, q: torch.Tensor, small_weight: torch.Tensor,
                       small_scales: torch.Tensor) -> torch.Tensor:
         """x2 bf16 [M, K] -> [M, N]: PyTorch's kernel up to many_rows rows, dequant_gemm (over q,
@@ -169,7 +175,7 @@ class Int4Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)  # [M, K]
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed_weight, self.group_size, self.scales_and_zeros)
-        elif self.many_rows is not None:
+        elif self._takes_op(x2):
             y = self._quant_linear(x2, self.gemm_q, self.packed_weight, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, self.group_size,
@@ -224,7 +230,7 @@ class Int8Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.float_layer is not None and self.max_int8_rows is not None and x2.shape[0] > self.max_int8_rows:
             return self.float_layer(x)
-        if self.many_rows is not None:
+        if self._takes_op(x2):
             y = self._quant_linear(x2, self.weight_int8, self.weight_int8, self.scales)
         elif self.has_int8_kernel:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
