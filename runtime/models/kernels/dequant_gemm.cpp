@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -80,7 +81,7 @@ void dequant_row_int8(const int8_t* q, const float* s, int64_t K, int64_t group,
 }
 
 at::Tensor dequant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group, int64_t tile_bytes) {
+                        const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group, int64_t tile_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), align = bits == 4 ? 32 : 16;
@@ -125,7 +126,7 @@ at::Tensor dequant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tens
 // the weight once, in its own layout: small_weight, small_scales), dequant_gemm above.
 // One op, so that a compiled graph holds no branch on the row count.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
+                        const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
                         const at::Tensor& small_weight, const at::Tensor& small_scales, int64_t many_rows,
                         int64_t tile_bytes) {
   if (x.size(0) > many_rows) return dequant_gemm(x.contiguous(), q, scales, offsets, bits, group, tile_bytes);
