@@ -9,8 +9,8 @@ Kernels (activations stay in the model's dtype; only the weight is quantized):
     file's fp16 block scales lose 3 bits: the load log gives the weight error this adds),
     and activations are cast to bf16 for the call.
   - Inputs of more than MANY_ROWS rows (prefill chunks, large batches, verify trees), CPU,
-    bf16: PyTorch's two CPU kernels dequantize inside their inner loop for every 4 rows, so
-    their cost grows with the rows at float32 FMA speed (at 128 rows, 2.5x a bf16 matmul).
+    bf16: PyTorch's two CPU kernels dequantize the weight in registers again for each small
+    block of rows and multiply with float32 FMAs, so their cost grows with the rows (at 128 rows, 2.5x a bf16 matmul).
     Above MANY_ROWS a layer runs this project's heterospec_cpu::dequant_gemm instead
     (runtime/models/cpu_kernels.py: each tile of the weight dequantized once per call into a
     bf16 GEMM). Int8 layers share their int8 weight with it; int4 layers keep a second copy

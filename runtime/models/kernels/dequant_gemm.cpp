@@ -1,7 +1,7 @@
 // heterospec::dequant_gemm: y = x W^T for a weight-only quantized W, for inputs of many
 // rows (prefill chunks, large batches, verify trees). PyTorch's CPU int4/int8 weight-only
-// kernels dequantize inside their inner loop for every block of 4 rows, so their cost
-// grows with the rows at float32 FMA speed; here each tile of W is dequantized once per
+// kernels dequantize the weight in registers again for each small block of rows and
+// multiply with float32 FMAs, so their cost grows with the rows at float32 FMA speed; here each tile of W is dequantized once per
 // call into a bf16 buffer that stays in L2, and the tile's product runs as a bf16 GEMM
 // (at::mm: oneDNN, with AMX or AVX-512 BF16 where the CPU has them).
 //
