@@ -82,6 +82,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype, self.source, self.error = dtype, weight.source, weight.error
+        self.group_size = weight.group_size
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
 
     @property
@@ -112,6 +113,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("gemm_scales", weight.scales.float().contiguous().to(device))  # [N, K/group]
         offsets = None if weight.offsets is None else weight.offsets.float().contiguous().to(device)
         self.register_buffer("gemm_offsets", offsets)  # [N, K/group]
+        self.kernel += f" (<= {many_rows} rows), heterospec_cpu.dequant_gemm (more)"
         return many_rows
 
     def _takes_op(self, x2: torch.Tensor) -> bool:
@@ -125,7 +127,7 @@ class QuantizedLinear(nn.Module):
         """x2 bf16 [M, K] -> [M, N]: PyTorch's kernel up to many_rows rows, dequant_gemm (over q,
         the weight in its layout) above."""
         return torch.ops.heterospec_cpu.quant_linear(x2, q, self.gemm_scales, self.gemm_offsets,
-                                                    self.bits, self.gemm_group, small_weight, small_scales,
+                                                    self.bits, self.group_size, small_weight, small_scales,
                                                     self.many_rows, TILE_BYTES)
 
     def _finish(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -147,7 +149,6 @@ class Int4Linear(QuantizedLinear):
         super().__init__(weight, bias, dtype, device)
         if weight.bits != 4:
             raise ValueError("Int4Linear needs a 4-bit weight")
-        self.group_size = weight.group_size
         offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
         zeros = offsets + 8 * weight.scales  # [N, G]: the kernels' w = (q - 8) s + z
         self.on_cuda = device.type == "cuda"
@@ -164,11 +165,9 @@ class Int4Linear(QuantizedLinear):
         else:
             self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
             self.kernel = "int4 aten._weight_int4pack_mm_for_cpu"
-        self.gemm_group = weight.group_size
         self.many_rows = None if self.on_cuda else self._keep_for_many_rows(weight, device, dtype, many_rows)
         if self.many_rows is not None:
             self.register_buffer("gemm_q", dequant_gemm_layout_int4(weight.q).to(device))  # [N, K/2]
-            self.kernel += f" (<= {self.many_rows} rows), heterospec_cpu.dequant_gemm (more)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -219,11 +218,8 @@ class Int8Linear(QuantizedLinear):
         self.float_layer, self.max_int8_rows = float_layer, max_int8_rows
         self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
         self.kernel = "int8 aten._weight_int8pack_mm" if self.has_int8_kernel else "int8 dequantizing matmul"
-        self.gemm_group = weight.group_size
         self.many_rows = None if float_layer is not None or not self.has_int8_kernel else \
             self._keep_for_many_rows(weight, device, dtype, many_rows)
-        if self.many_rows is not None:
-            self.kernel += f" (<= {self.many_rows} rows), heterospec_cpu.dequant_gemm (more)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
