@@ -4,15 +4,15 @@ They are compiled for this machine's CPU (-march=native, as llama.cpp's GGML_NAT
 the C++ compiler that torch.compile's CPU backend already needs, into
 ~/.cache/heterospec/kernels (HETEROSPEC_CACHE_DIR overrides ~/.cache/heterospec), keyed by
 the source, the torch build and the CPU's flags, and loaded as torch ops. Where the build
-fails (no compiler), `dequant_gemm_available()` is False and callers keep PyTorch's kernels;
+fails (no compiler), `cpu_kernels_available()` is False and callers keep PyTorch's kernels;
 the load log says which kernel each layer got.
 
-heterospec_cpu::dequant_gemm(x bf16 [M, K], q, scales, offsets, bits, group, tile_bytes)
--> bf16 [M, N]: y = x W^T for a weight-only quantized W, each tile of W dequantized once per
-call into a bf16 GEMM (the layouts: kernels/dequant_gemm.cpp).
-heterospec_cpu::quant_linear(..., small_weight, small_scales, many_rows, tile_bytes): PyTorch's
-int4/int8 weight-only kernel up to many_rows rows, dequant_gemm above (one op: a compiled
-graph holds no branch on the row count).
+heterospec_cpu::quant_linear(x bf16 [M, K], q, scales, offsets, bits, group, many_rows,
+tile_bytes) -> bf16 [M, N]: y = x W^T for an int4/int8 weight-only quantized W in the blocked
+layout (kernels/quant_linear.cpp): integer dot products on the packed bytes up to many_rows
+rows, tiles of W dequantized into a bf16 GEMM above (one op: a compiled graph holds no branch
+on the row count). quant_linear_portable: the same without the AVX-512 VNNI code (for tests);
+has_vector_code(): whether quant_linear runs it.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "dequant_gemm.cpp"
+SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
 DISABLE_ENV = "HETEROSPEC_CPU_KERNELS"  # "0": never build or load them (PyTorch's kernels only)
 
 
@@ -63,11 +63,11 @@ def _compile_command(output: str) -> list[str]:
 def _build() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
                          + " ".join(_compile_command("")).encode() + sys.version.encode()).hexdigest()[:16]
-    library = _cache_dir() / f"dequant_gemm-{key}.so"
+    library = _cache_dir() / f"quant_linear-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the CPU kernel heterospec_cpu.dequant_gemm for this CPU (once; cached in %s)", library.parent)
+    log.info("building the CPU kernel heterospec_cpu.quant_linear for this CPU (once; cached in %s)", library.parent)
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as tmp:
         partial = tmp.name
     try:
@@ -82,20 +82,20 @@ def _build() -> Path:
 
 
 @functools.cache
-def dequant_gemm_available() -> bool:
-    """Build (once per machine) and load heterospec_cpu::dequant_gemm; False where it cannot be."""
+def cpu_kernels_available() -> bool:
+    """Build (once per machine) and load heterospec_cpu's ops; False where they cannot be."""
     if os.environ.get(DISABLE_ENV) == "0":
         return False
     try:
         torch.ops.load_library(str(_build()))
     except Exception as e:  # noqa: BLE001 - no compiler, or a failed build: PyTorch's kernels stay
-        log.warning("the CPU kernel heterospec_cpu.dequant_gemm is unavailable (%s): quantized layers use PyTorch's "
+        log.warning("the CPU kernel heterospec_cpu.quant_linear is unavailable (%s): quantized layers use PyTorch's "
                     "weight-only kernels at every row count", e)
         return False
-    torch.library.register_fake("heterospec_cpu::dequant_gemm")(_rows_by_outputs)
     torch.library.register_fake("heterospec_cpu::quant_linear")(_rows_by_outputs)
+    torch.library.register_fake("heterospec_cpu::quant_linear_portable")(_rows_by_outputs)
     return True
 
 
-def _rows_by_outputs(x, q, *args):
-    return x.new_empty(x.shape[0], q.shape[0])  # [M, N]
+def _rows_by_outputs(x, q, scales, *args):
+    return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])  # [M, N]

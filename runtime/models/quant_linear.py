@@ -1,29 +1,32 @@
 """Weight-only quantized linear layers, and the one place that decides which kernel a linear
 layer runs (`make_linear`; `linear_kernels` names them for the load log).
 
-Kernels (activations stay in the model's dtype; only the weight is quantized):
-  - Int4Linear, CPU: `aten._weight_int4pack_mm_for_cpu` (PyTorch's own AVX-512/AVX2 int4
-    kernel, as torchao uses it). CUDA: `aten._weight_int4pack_mm` (tinygemm, bf16).
+Kernels:
+  - CPU, bf16 activations (the default dtype wherever the CPU has bf16 math), every int4 and
+    int8 layer whose shape allows (16 | N, 32 | K and the group): this project's
+    heterospec_cpu.quant_linear over the weight in its blocked layout (one copy;
+    runtime/models/cpu_kernels.py builds it). Up to many_rows rows, the activations are
+    quantized to int8 per block of 32 (as llama.cpp does on the CPU) and integer dot
+    products run on the packed bytes (AVX-512 VNNI); above, tiles of the weight are
+    dequantized into a bf16 GEMM (default_many_rows: only CPUs with AMX go there). PyTorch's
+    own int4/int8 CPU kernels dequantize each weight to float32 in registers for each small
+    block of rows and multiply with float32 FMAs: 2.8x this kernel's time on one row, and
+    their cost grows with the rows (scripts/bench_quant_linear.py).
+  - Int4Linear elsewhere. CPU: `aten._weight_int4pack_mm_for_cpu` (PyTorch's own AVX-512/AVX2
+    int4 kernel, as torchao uses it). CUDA: `aten._weight_int4pack_mm` (tinygemm, bf16).
     Both compute w = (q - 8) s + z per group, so a QuantizedWeight's w = s q + o becomes
     z = o + 8 s, and both compute in bf16: scales and zeros are rounded to bf16 (a GGUF
     file's fp16 block scales lose 3 bits: the load log gives the weight error this adds),
-    and activations are cast to bf16 for the call.
-  - Inputs of more than MANY_ROWS rows (prefill chunks, large batches, verify trees), CPU,
-    bf16: PyTorch's two CPU kernels dequantize the weight in registers again for each small
-    block of rows and multiply with float32 FMAs, so their cost grows with the rows (at 128 rows, 2.5x a bf16 matmul).
-    Above MANY_ROWS a layer runs this project's heterospec_cpu::dequant_gemm instead
-    (runtime/models/cpu_kernels.py: each tile of the weight dequantized once per call into a
-    bf16 GEMM). Int8 layers share their int8 weight with it; int4 layers keep a second copy
-    of their nibbles in its layout (the weight's int4 bytes twice). Where the kernel cannot
-    be built, PyTorch's kernels run at every row count (the load log says which).
+    and activations are cast to bf16 for the call. Where the CPU kernel cannot be built (no
+    compiler), these run, and the load log says so.
   - DequantizedLinear: int4 and int8 weights of a float32 model, dequantized once at load
     exactly as ggml does (s q + o, float32) into a float32 matmul: float32 is the exactness
     mode (the tests' reference), which the int4 kernels' bf16 rounding would break; the CPU
     kernels' float32 variants are not vectorised (the int8 one 20x slower at 16 rows), and
     dequantizing per call cost more than the float32 weight's reads. So a float32 model
     holds float32 weights, as with --quantization none, and the load log says so.
-  - Int8Linear, CPU: `aten._weight_int8pack_mm` (per-row scales); elsewhere a dequantizing
-    matmul. With a float layer kept beside it (the draft's --draft-quantization int8 on a
+  - Int8Linear elsewhere, CPU: `aten._weight_int8pack_mm` (per-row scales); elsewhere a
+    dequantizing matmul. With a float layer kept beside it (the draft's --draft-quantization int8 on a
     float model), inputs of more rows than int8 wins at run through the float layer.
   - float weights: PackedLinear (oneDNN's blocked layout, bf16 on CPUs with bf16 math) or
     a plain nn.Linear.
@@ -35,8 +38,9 @@ from collections import Counter
 import torch
 from torch import nn
 
-from runtime.models.cpu_kernels import dequant_gemm_available
+from runtime.models.cpu_kernels import cpu_kernels_available
 from runtime.models.packed_linear import PackedLinear, can_prepack
+from runtime.platform import amx_available
 from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
 
 
@@ -59,23 +63,54 @@ def bf16_scale_error(weight: QuantizedWeight, scales_and_zeros: torch.Tensor) ->
     return relative_rms_error((exact.q.float() - 8) * scales + zeros, exact.dequantize())
 
 
-MANY_ROWS = 24  # more rows than this: dequant_gemm (crossover 16-32 rows: scripts/bench_quant_linear.py)
-TILE_BYTES = 1 << 20  # dequant_gemm's bf16 weight tile (best of 256 KiB .. 16 MiB on 2 MiB of L2)
+MANY_ROWS_AMX = 32  # more rows than this: the bf16 GEMM regime, on CPUs with AMX
+NO_GEMM = 1 << 62  # many_rows that never takes the GEMM regime
 
 
-def dequant_gemm_layout_int4(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] of 0..15 -> uint8 [N, K/2]: in each group of 32 weights, byte j holds weight j
-    (low nibble) and weight j + 16 (high nibble)."""
-    n, k = q.shape
-    halves = q.view(n, k // 32, 2, 16).to(torch.uint8)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+def default_many_rows() -> int:
+    """The rows above which heterospec_cpu.quant_linear dequantizes tiles into a bf16 GEMM.
+    With AMX the GEMM wins from a few dozen rows (its dequantization costs as much as ~35 rows
+    of dot products); with AVX-512 BF16 alone the int8 dot products won at every row count
+    measured, 1 to 512 (scripts/bench_quant_linear.py), so they run at every row count."""
+    return MANY_ROWS_AMX if amx_available() else NO_GEMM
+
+
+TILE_BYTES = 1 << 20  # the GEMM regime's bf16 weight tile (best of 256 KiB .. 16 MiB on 2 MiB of L2)
+BLOCK = 16  # outputs per block of the blocked layout
+
+
+def blocked_layout(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """heterospec_cpu.quant_linear's layout (kernels/quant_linear.cpp): 16 outputs x 4
+    consecutive k per 64 bytes. Returns q uint8 [N/16, K*8] (int4: two weights a byte, k 4
+    apart) or [N/16, K*16] (int8, stored + 128), scales and offsets float32 [N/16, G, 16]."""
+    n, k = weight.shape
+    if weight.bits == 4:
+        w = weight.q.to(torch.uint8).view(n // BLOCK, BLOCK, k // 32, 4, 2, 4)  # [b, i, kb, c, nibble, j]
+        q = (w[..., 0, :] | (w[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [b, kb, c, i, j]
+    else:
+        u = (weight.q.to(torch.int16) + 128).to(torch.uint8).view(n // BLOCK, BLOCK, k // 4, 4)  # [b, i, t, j]
+        q = u.permute(0, 2, 1, 3)  # [b, t, i, j]
+    q = q.contiguous().view(n // BLOCK, -1)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
+        return t.float().view(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+
+    return q, per_block(weight.scales), None if weight.offsets is None else per_block(weight.offsets)
+
+
+def can_use_blocked(weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
+    n, k = weight.shape
+    return (device.type == "cpu" and dtype == torch.bfloat16 and n % BLOCK == 0 and k % 32 == 0
+            and weight.group_size % 32 == 0 and cpu_kernels_available())
 
 
 class QuantizedLinear(nn.Module):
-    """Shared by the int4 and int8 layers: shapes, bias, and a float view of the weight for
-    set-up code that reads one (a head sharing the target's LM head); never on a hot path."""
+    """Shared by the int4 and int8 layers: shapes, bias, heterospec_cpu.quant_linear where it
+    runs, and a float view of the weight for set-up code that reads one (a head sharing the
+    target's LM head); never on a hot path."""
 
     kernel = ""
+    many_rows: int | None = None  # None: PyTorch's kernels; else heterospec_cpu.quant_linear's GEMM above it
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device):
@@ -102,33 +137,27 @@ class QuantizedLinear(nn.Module):
     def packed_device(self) -> torch.device:
         return next(self.buffers()).device
 
-    def _keep_for_many_rows(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype,
-                            many_rows: int | None) -> int | None:
-        """Keep dequant_gemm's scales and offsets where it runs (the CPU, bf16 activations, the
-        kernel built); the rows above which it runs, or None."""
-        align = 32 if weight.bits == 4 else 16
-        if (many_rows is None or device.type != "cpu" or dtype != torch.bfloat16 or weight.shape[1] % align
-                or weight.group_size % align or not dequant_gemm_available()):
-            return None
-        self.register_buffer("gemm_scales", weight.scales.float().contiguous().to(device))  # [N, K/group]
-        offsets = None if weight.offsets is None else weight.offsets.float().contiguous().to(device)
-        self.register_buffer("gemm_offsets", offsets)  # [N, K/group]
-        self.kernel += f" (<= {many_rows} rows), heterospec_cpu.dequant_gemm (more)"
-        return many_rows
+    def _pack_blocked(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype,
+                      many_rows: int | None | str) -> bool:
+        """Pack the weight for heterospec_cpu.quant_linear where it runs (the CPU, bf16
+        activations, the kernel built, 16 | N, 32 | K and the group); whether it did."""
+        if many_rows is None or not can_use_blocked(weight, device, dtype):
+            return False
+        many_rows = default_many_rows() if many_rows == "auto" else many_rows
+        q, scales, offsets = blocked_layout(weight)
+        self.register_buffer("block_q", q.to(device))  # [N/16, K*8 | K*16]
+        self.register_buffer("block_scales", scales.to(device))  # [N/16, G, 16]
+        self.register_buffer("block_offsets", None if offsets is None else offsets.to(device))
+        self.many_rows = many_rows
+        self.kernel = f"int{weight.bits} heterospec_cpu.quant_linear (int8 activations" + (
+            ")" if many_rows >= NO_GEMM else f" <= {many_rows} rows, bf16 GEMM above)")
+        return True
 
-    def _takes_op(self, x2: torch.Tensor) -> bool:
-        """Whether x2 goes through heterospec_cpu.quant_linear: above many_rows rows, and
-        always inside a compiled graph (no branch on the row count there); an eager call of
-        few rows takes PyTorch's kernel directly (the op's dispatch costs ~2 us a layer)."""
-        return self.many_rows is not None and (torch.compiler.is_compiling() or x2.shape[0] > self.many_rows)
-
-    def _quant_linear(self, x2: torch.Tensor, q: torch.Tensor, small_weight: torch.Tensor,
-                      small_scales: torch.Tensor) -> torch.Tensor:
-        """x2 bf16 [M, K] -> [M, N]: PyTorch's kernel up to many_rows rows, dequant_gemm (over q,
-        the weight in its layout) above."""
-        return torch.ops.heterospec_cpu.quant_linear(x2, q, self.gemm_scales, self.gemm_offsets,
-                                                    self.bits, self.group_size, small_weight, small_scales,
-                                                    self.many_rows, TILE_BYTES)
+    def _quant_linear(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] -> bf16 [M, N]: heterospec_cpu.quant_linear over the blocked weight."""
+        return torch.ops.heterospec_cpu.quant_linear(x2.to(torch.bfloat16), self.block_q, self.block_scales,
+                                                    self.block_offsets, self.bits, self.group_size, self.many_rows,
+                                                    TILE_BYTES)
 
     def _finish(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if self.bias is not None:
@@ -144,14 +173,20 @@ class Int4Linear(QuantizedLinear):
     bits = 4
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device, many_rows: int | None = MANY_ROWS):
-        """many_rows: inputs of more rows run dequant_gemm on the CPU (None: never)."""
+                 device: torch.device, many_rows: int | None | str = "auto"):
+        """many_rows: on the CPU, heterospec_cpu.quant_linear with its GEMM regime above this
+        many rows ("auto": default_many_rows(); 0: always the GEMM; NO_GEMM: never; None:
+        PyTorch's int4 kernel instead)."""
         super().__init__(weight, bias, dtype, device)
         if weight.bits != 4:
             raise ValueError("Int4Linear needs a 4-bit weight")
+        self.on_cuda = device.type == "cuda"
+        if self.on_cuda or not self._pack_blocked(weight, device, dtype, many_rows):
+            self._pack_for_pytorch(weight, device)
+
+    def _pack_for_pytorch(self, weight: QuantizedWeight, device: torch.device) -> None:
         offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
         zeros = offsets + 8 * weight.scales  # [N, G]: the kernels' w = (q - 8) s + z
-        self.on_cuda = device.type == "cuda"
         # [G, N, 2]: per group, every output's scale and zero
         scales_and_zeros = torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))
@@ -165,20 +200,18 @@ class Int4Linear(QuantizedLinear):
         else:
             self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
             self.kernel = "int4 aten._weight_int4pack_mm_for_cpu"
-        self.many_rows = None if self.on_cuda else self._keep_for_many_rows(weight, device, dtype, many_rows)
-        if self.many_rows is not None:
-            self.register_buffer("gemm_q", dequant_gemm_layout_int4(weight.q).to(device))  # [N, K/2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)  # [M, K]
-        if self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed_weight, self.group_size, self.scales_and_zeros)
-        elif self._takes_op(x2):
-            y = self._quant_linear(x2, self.gemm_q, self.packed_weight, self.scales_and_zeros)
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if self.many_rows is not None:
+            y = self._quant_linear(x2)
+        elif self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed_weight, self.group_size,
+                                                   self.scales_and_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, self.group_size,
-                                                           self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed_weight,
+                                                           self.group_size, self.scales_and_zeros)
         return self._finish(y.to(x.dtype), shape)  # [..., N]
 
 
@@ -201,33 +234,32 @@ class DequantizedLinear(QuantizedLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    """Per-row int8. With float_layer (and max_int8_rows) set, inputs of more rows than
-    max_int8_rows run through float_layer instead; without, through dequant_gemm above
-    many_rows rows (the CPU, bf16; None: never)."""
+    """Per-row int8. On the CPU with bf16 activations, heterospec_cpu.quant_linear (many_rows as
+    Int4Linear's). With float_layer (and max_int8_rows) set, PyTorch's int8 kernel, and inputs
+    of more rows than max_int8_rows run through float_layer instead."""
 
     bits = 8
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, float_layer: nn.Module | None = None, max_int8_rows: int | None = None,
-                 many_rows: int | None = MANY_ROWS):
+                 many_rows: int | None | str = "auto"):
         super().__init__(weight, bias, dtype, device)
         if weight.bits != 8 or weight.offsets is not None or weight.group_size != self.in_features:
             raise ValueError("Int8Linear needs a symmetric 8-bit weight with one scale per row")
-        self.register_buffer("weight_int8", weight.q.to(device))  # [N, K]
-        self.register_buffer("scales", weight.scales[:, 0].to(device, dtype))  # [N]
         self.float_layer, self.max_int8_rows = float_layer, max_int8_rows
-        self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
-        self.kernel = "int8 aten._weight_int8pack_mm" if self.has_int8_kernel else "int8 dequantizing matmul"
-        self.many_rows = None if float_layer is not None or not self.has_int8_kernel else \
-            self._keep_for_many_rows(weight, device, dtype, many_rows)
+        if float_layer is not None or not self._pack_blocked(weight, device, dtype, many_rows):
+            self.register_buffer("weight_int8", weight.q.to(device))  # [N, K]
+            self.register_buffer("scales", weight.scales[:, 0].to(device, dtype))  # [N]
+            self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+            self.kernel = "int8 aten._weight_int8pack_mm" if self.has_int8_kernel else "int8 dequantizing matmul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.float_layer is not None and self.max_int8_rows is not None and x2.shape[0] > self.max_int8_rows:
             return self.float_layer(x)
-        if self._takes_op(x2):
-            y = self._quant_linear(x2, self.weight_int8, self.weight_int8, self.scales)
+        if self.many_rows is not None:
+            y = self._quant_linear(x2).to(x.dtype)
         elif self.has_int8_kernel:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x2.dtype))
         else:

@@ -105,26 +105,27 @@ def test_compiled_step_over_prepacked_bf16_weights_is_as_close_to_float32_as_eag
 
 def test_compiled_step_over_quantized_weights_at_any_batch_compiles_nothing_after_start(generate):
     """The default model's defaults where this CPU has bf16 math (bf16, --quantization auto:
-    int4/int8 layers): 30 sequences at once (more rows than MANY_ROWS: the layers switch to
-    dequant_gemm inside their op) and one at a time run the start-up graphs only; against
-    the same quantized weights computed exactly (float32), the 30 at once pick the first
-    token as often as one at a time does (PyTorch's kernels)."""
+    int4/int8 layers): 34 sequences at once (more rows than MANY_ROWS_AMX: on CPUs with AMX
+    the layers switch to their bf16 GEMM inside their op) and one at a time run the start-up
+    graphs only; against
+    the same quantized weights computed exactly (float32), the 34 at once pick the first
+    token as often as one at a time does."""
     from runtime.engine import LLMEngine
-    from runtime.models.quant_linear import MANY_ROWS
+    from runtime.models.quant_linear import MANY_ROWS_AMX
     engine = LLMEngine(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB")
     exact = LLMEngine(dtype="float32", device="cpu", kv_cache_memory="64MiB", enforce_eager=True)
     try:
         calls, restore = counting(engine.runner)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        prompts = [f"{PROMPTS[i % 3]} ({i})" for i in range(30)]
-        assert len(prompts) > MANY_ROWS
+        prompts = [f"{PROMPTS[i % 3]} ({i})" for i in range(34)]
+        assert len(prompts) > MANY_ROWS_AMX
         try:
             together = generate(engine, prompts, params)
             alone = [generate(engine, [p], params)[0] for p in prompts]
         finally:
             restore()
-        assert len(calls) >= 31 * 5
+        assert len(calls) >= 35 * 5
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         reference = generate(exact, prompts, params)
         together_agree = sum(a[0] == r[0] for a, r in zip(together, reference))
