@@ -5,14 +5,13 @@ Both run the same DecoderModel (runtime.models.decoder); a backend only swaps mo
     (runtime.models.packed_linear: PyTorch's own oneDNN ops, as Inductor uses them; a
     plain bf16 nn.Linear reorders its weight on every call). With `int8`, every linear
     layer (and the LM head) becomes Int8Linear: per-output-channel symmetric int8 weights
-    through `torch.ops.aten._weight_int8pack_mm` (dequantized matmul where that op is
-    missing). That op is a matrix-vector kernel: it reads half the bytes, so it wins for a
-    few rows, and loses to the float GEMM past a handful. On the CPU each layer shape is
-    timed once at load against the float layer (`int8_row_limit`, with cold caches, as in
-    a decode step), and calls with more rows than int8 wins at run through the float
-    layer, which is then kept: int8 on this path buys speed for small batches, not memory.
-    With `int4` (or `auto` on a quantized file) the weights come quantized from the load
-    (runtime.models.loader): Int4Linear, group-wise int4 through PyTorch's own int4 kernel.
+    through runtime.models.quant_linear's kernels (this project's heterospec_cpu.quant_linear
+    on a bf16 model, else `torch.ops.aten._weight_int8pack_mm`). On the CPU each layer
+    shape is timed once at load against the float layer (`int8_row_limit`, with cold
+    caches, as in a decode step); where int8 loses past some row count, calls with more rows
+    run through the float layer, which is then kept (int8 then buys small-batch speed, not
+    memory). With `int4` (or `auto` on a quantized file) the weights come quantized from the
+    load (runtime.models.loader): Int4Linear, group-wise int4, the same kernels.
   - `ipex` (intel-extension-for-pytorch): `ipex.optimize` prepacks the linear weights
     into oneDNN's blocked layout, RMSNorm runs IPEX's fused kernel, and `int8` uses IPEX's
     weight-only quantized linear (bf16 compute on AMX).

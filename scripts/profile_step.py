@@ -33,7 +33,8 @@ PROMPT = "Explain how a hash table works."
 # operator name -> kind, for the forward's split
 KINDS = {"aten::mm": "matmul", "aten::addmm": "matmul", "aten::linear": "matmul", "aten::bmm": "matmul",
          "mkldnn::_linear_pointwise": "matmul",  # bf16 weights prepacked for oneDNN (runtime/models/packed_linear.py)
-         "aten::_weight_int8pack_mm": "matmul",
+         "aten::_weight_int8pack_mm": "matmul", "aten::_weight_int4pack_mm_for_cpu": "matmul",
+         "heterospec_cpu::quant_linear": "matmul",  # int4/int8 weights (runtime/models/quant_linear.py)
          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
          "aten::scaled_dot_product_attention": "attention (SDPA)",
          "aten::index": "KV gather / index", "aten::index_copy_": "KV write", "aten::index_select": "KV gather / index"}

@@ -236,8 +236,8 @@ class DequantizedLinear(QuantizedLinear):
 
 class Int8Linear(QuantizedLinear):
     """Per-row int8. On the CPU with bf16 activations, heterospec_cpu.quant_linear (many_rows as
-    Int4Linear's). With float_layer (and max_int8_rows) set, PyTorch's int8 kernel, and inputs
-    of more rows than max_int8_rows run through float_layer instead."""
+    Int4Linear's), else PyTorch's int8 kernel. With float_layer (and max_int8_rows) set,
+    inputs of more rows than max_int8_rows run through float_layer instead."""
 
     bits = 8
 
@@ -248,7 +248,7 @@ class Int8Linear(QuantizedLinear):
         if weight.bits != 8 or weight.offsets is not None or weight.group_size != self.in_features:
             raise ValueError("Int8Linear needs a symmetric 8-bit weight with one scale per row")
         self.float_layer, self.max_int8_rows = float_layer, max_int8_rows
-        if float_layer is not None or not self._pack_blocked(weight, device, dtype, many_rows):
+        if not self._pack_blocked(weight, device, dtype, many_rows):
             self.register_buffer("weight_int8", weight.q.to(device))  # [N, K]
             self.register_buffer("scales", weight.scales[:, 0].to(device, dtype))  # [N]
             self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
