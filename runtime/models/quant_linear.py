@@ -33,6 +33,7 @@ Kernels:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import torch
@@ -82,7 +83,7 @@ BLOCK = 16  # outputs per block of the blocked layout
 def blocked_layout(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """heterospec_cpu.quant_linear's layout (kernels/quant_linear.cpp): 16 outputs x 4
     consecutive k per 64 bytes. Returns q uint8 [N/16, K*8] (int4: two weights a byte, k 4
-    apart) or [N/16, K*16] (int8, stored + 128), scales and offsets float32 [N/16, G, 16]."""
+    apart) or [N/16, K*16] (int8, stored + 128), scales and offsets float16 [N/16, G, 16]."""
     n, k = weight.shape
     if weight.bits == 4:
         w = weight.q.to(torch.uint8).view(n // BLOCK, BLOCK, k // 32, 4, 2, 4)  # [b, i, kb, c, nibble, j]
@@ -93,15 +94,27 @@ def blocked_layout(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor,
     q = q.contiguous().view(n // BLOCK, -1)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
-        return t.float().view(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+        return t.half().view(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
 
     return q, per_block(weight.scales), None if weight.offsets is None else per_block(weight.offsets)
 
 
 def can_use_blocked(weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> bool:
     n, k = weight.shape
+    in_half_range = all(t is None or t.abs().max().item() < torch.finfo(torch.float16).max
+                        for t in (weight.scales, weight.offsets))
     return (device.type == "cpu" and dtype == torch.bfloat16 and n % BLOCK == 0 and k % 32 == 0
-            and weight.group_size % 32 == 0 and cpu_kernels_available())
+            and weight.group_size % 32 == 0 and in_half_range and cpu_kernels_available())
+
+
+def half_scale_error(weight: QuantizedWeight) -> float:
+    """Relative RMS error that float16 scales and offsets add to the weight (0 for GGUF's
+    Q4_0/Q4_1, whose block scales are fp16; Q4_K's scales are fp16 x 6-bit products), on
+    sample rows."""
+    exact = weight.permute_rows(sample_rows(weight.q.shape[0]))
+    rounded = dataclasses.replace(exact, scales=exact.scales.half().float(),
+                                  offsets=None if exact.offsets is None else exact.offsets.half().float())
+    return relative_rms_error(rounded.dequantize(), exact.dequantize())
 
 
 class QuantizedLinear(nn.Module):
@@ -145,6 +158,7 @@ class QuantizedLinear(nn.Module):
             return False
         many_rows = default_many_rows() if many_rows == "auto" else many_rows
         q, scales, offsets = blocked_layout(weight)
+        self.error = (self.error ** 2 + half_scale_error(weight) ** 2) ** 0.5
         self.register_buffer("block_q", q.to(device))  # [N/16, K*8 | K*16]
         self.register_buffer("block_scales", scales.to(device))  # [N/16, G, 16]
         self.register_buffer("block_offsets", None if offsets is None else offsets.to(device))

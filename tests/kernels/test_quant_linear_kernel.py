@@ -17,6 +17,7 @@ and the choice of kernels in Int4Linear / Int8Linear.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -59,6 +60,13 @@ def weights() -> dict[str, tuple[QuantizedWeight, torch.Tensor]]:
 WEIGHTS = weights()
 
 
+def stored(weight: QuantizedWeight) -> torch.Tensor:
+    """The weight [N, K] as the layout stores it: scales and offsets in float16 (GGUF's Q4_0
+    and Q4_1 block scales are fp16, so for them this is gguf's weight bit for bit)."""
+    return dataclasses.replace(weight, scales=weight.scales.half().float(),
+                               offsets=None if weight.offsets is None else weight.offsets.half().float()).dequantize()
+
+
 def int8_activation_product(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The few-rows regime's arithmetic in float64: x [M, K] quantized per block of 32 to
     x_q = round(x 127 / max|x|) max|x| / 127, times the weight s q + o."""
@@ -68,7 +76,7 @@ def int8_activation_product(x: torch.Tensor, weight: QuantizedWeight) -> torch.T
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # (127 / amax: 127 * (1 / amax))
     xq = torch.round(blocks * inverse)  # half to even, as the kernel
     x_hat = (xq.double() * (amax / 127).double()).view(m, k)  # [M, K]
-    return x_hat @ weight.dequantize().double().t()
+    return x_hat @ stored(weight).double().t()
 
 
 def run_op(op: str, x: torch.Tensor, weight: QuantizedWeight, many_rows: int) -> torch.Tensor:
@@ -100,8 +108,16 @@ def test_many_rows_regime_is_a_bf16_gemm_on_the_weight(name, rows, op):
     weight, exact_weight = WEIGHTS[name]
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
     out = run_op(op, x, weight, 0)
-    reference = x.float() @ exact_weight.bfloat16().float().t()
+    reference = x.float() @ stored(weight).bfloat16().float().t()
     torch.testing.assert_close(out.float(), reference, atol=2e-2 * reference.abs().max().item(), rtol=1e-2)
+
+
+@needs_kernel
+def test_ggufs_q4_0_and_q4_1_are_stored_exactly():
+    for name in ("Q4_0", "Q4_1"):
+        weight, gguf_dequantized = WEIGHTS[name]
+        assert torch.equal(stored(weight), gguf_dequantized)
+        assert Int4Linear(weight, None, torch.bfloat16, CPU).error == 0  # the load log: exact
 
 
 @needs_kernel

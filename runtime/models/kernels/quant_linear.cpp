@@ -20,7 +20,9 @@
 //           W[16b+i, 32kb+8c+4+j] in its high nibble;  w = s q + o.
 //   bits 8: q uint8 [N/16, K * 16]: for quad t, byte j of lane i holds W[16b+i, 4t+j] + 128;
 //           w = s (u - 128).
-//   scales float32 [N/16, K/group, 16]; offsets (int4 only, optional) float32 like scales.
+//   scales float16 [N/16, K/group, 16]; offsets (int4 only, optional) float16 like scales
+//   (GGUF's own block scales are fp16: exact for Q4_0/Q4_1; as float32 they were a third of
+//   an int4 layer's bytes).
 // x bf16 [M, K] contiguous; returns bf16 [M, N].
 //
 // The vector code needs AVX-512 F/BW and VNNI (-march=native at build time); elsewhere the
@@ -56,6 +58,8 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
 inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values)
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -63,6 +67,10 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values)
 }
 
 #ifdef HS_VNNI
+inline __m512 load_halves(const uint16_t* p) {  // 16 fp16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 inline __m256i bf16x16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
@@ -140,8 +148,8 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 
 struct Weight {
   const uint8_t* q;
-  const float* scales;
-  const float* offsets;  // nullptr: none
+  const uint16_t* scales;   // fp16
+  const uint16_t* offsets;  // fp16; nullptr: none
   int64_t bits, K, group;
 
   int64_t block_bytes() const { return bits == 4 ? K * 8 : K * 16; }
@@ -153,8 +161,8 @@ template <bool kVector, int R>
 void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, float* out) {
   const int64_t K = w.K, kblocks = K / 32, per_group = w.group / 32;
   const uint8_t* qb = w.q + b * w.block_bytes();
-  const float* sb = w.scales + b * w.groups() * kBlock;
-  const float* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
+  const uint16_t* sb = w.scales + b * w.groups() * kBlock;
+  const uint16_t* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
 #ifdef HS_VNNI
   if constexpr (kVector) {
     __m512 acc[R];
@@ -172,7 +180,8 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
         for (int t = 0; t < 8; ++t) wq[t] = _mm512_loadu_si512(qb + kb * 512 + 64 * t);
       }
       const int64_t g = kb / per_group;
-      const __m512 s = _mm512_loadu_ps(sb + g * kBlock);
+      const __m512 s = load_halves(sb + g * kBlock);
+      const __m512 o = ob ? load_halves(ob + g * kBlock) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (m0 + r) * kblocks + kb;
         const auto* xq = reinterpret_cast<const int32_t*>(a.q.data() + blk * 32);
@@ -180,7 +189,7 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
         for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, wq[t], _mm512_set1_epi32(xq[t]));
         if (w.bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.qsum[blk]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(a.scale[blk])), acc[r]);
-        if (ob) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(ob + g * kBlock), _mm512_set1_ps(a.sum[blk]), acc[r]);
+        if (ob) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sum[blk]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, acc[r]);
@@ -203,8 +212,8 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
           }
         }
         if (w.bits == 8) dot -= 128 * a.qsum[blk];
-        acc[i] += static_cast<float>(dot) * (sb[g * kBlock + i] * a.scale[blk]);
-        if (ob) acc[i] += ob[g * kBlock + i] * a.sum[blk];
+        acc[i] += static_cast<float>(dot) * (half_to_float(sb[g * kBlock + i]) * a.scale[blk]);
+        if (ob) acc[i] += half_to_float(ob[g * kBlock + i]) * a.sum[blk];
       }
     }
     std::memcpy(out + r * kBlock, acc, sizeof(acc));
@@ -238,8 +247,8 @@ template <bool kVector>
 void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, int64_t col) {
   const int64_t K = w.K, per_group = w.group / 32;
   const uint8_t* qb = w.q + b * w.block_bytes();
-  const float* sb = w.scales + b * w.groups() * kBlock;
-  const float* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
+  const uint16_t* sb = w.scales + b * w.groups() * kBlock;
+  const uint16_t* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
   for (int64_t t = 0; t < K / 4; ++t) {  // quad t: k 4t..4t+3
     const int64_t g = t / (8 * per_group);
     // int4: quad t sits in chunk (t % 8) / 2 of k block t / 8, in the low (even t) or high nibbles
@@ -248,8 +257,8 @@ void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, in
 #ifdef HS_VNNI
     if constexpr (kVector) {
       const __m512i v = _mm512_loadu_si512(chunk);
-      const __m512 s = _mm512_loadu_ps(sb + g * kBlock);
-      const __m512 o = ob ? _mm512_loadu_ps(ob + g * kBlock) : _mm512_set1_ps(w.bits == 8 ? -128.f : 0.f);
+      const __m512 s = load_halves(sb + g * kBlock);
+      const __m512 o = ob ? load_halves(ob + g * kBlock) : _mm512_set1_ps(w.bits == 8 ? -128.f : 0.f);
       const __m512i mask = _mm512_set1_epi32(w.bits == 4 ? 15 : 255);
       for (int j = 0; j < 4; ++j) {
         const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask));
@@ -262,8 +271,8 @@ void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, in
     for (int j = 0; j < 4; ++j) {
       for (int i = 0; i < kBlock; ++i) {
         const float u = static_cast<float>((chunk[4 * i + j] >> shift) & (w.bits == 4 ? 15 : 255));
-        const float s = sb[g * kBlock + i];
-        const float value = w.bits == 4 ? u * s + (ob ? ob[g * kBlock + i] : 0.f) : (u - 128.f) * s;
+        const float s = half_to_float(sb[g * kBlock + i]);
+        const float value = w.bits == 4 ? u * s + (ob ? half_to_float(ob[g * kBlock + i]) : 0.f) : (u - 128.f) * s;
         tile[(4 * t + j) * ld + col + i] = bf16_bits(value);
       }
     }
@@ -303,13 +312,14 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and the group must be multiples of 32");
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 &&
               q.size(1) == (bits == 4 ? K * 8 : K * 16), "q: contiguous uint8 [N/16, K*8] (4 bits) or [N/16, K*16]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) == blocks && scales.size(1) == K / group && scales.size(2) == kBlock,
-              "scales: contiguous float32 [N/16, K/group, 16]");
-  TORCH_CHECK(!offsets.has_value() || (bits == 4 && offsets->scalar_type() == at::kFloat &&
-              offsets->is_contiguous() && offsets->sizes() == scales.sizes()), "offsets: int4 only, float32 like scales");
-  const Weight w{q.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                 offsets.has_value() ? offsets->data_ptr<float>() : nullptr, bits, K, group};
+              "scales: contiguous float16 [N/16, K/group, 16]");
+  TORCH_CHECK(!offsets.has_value() || (bits == 4 && offsets->scalar_type() == at::kHalf &&
+              offsets->is_contiguous() && offsets->sizes() == scales.sizes()), "offsets: int4 only, float16 like scales");
+  const auto halves = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  const Weight w{q.data_ptr<uint8_t>(), halves(scales), offsets.has_value() ? halves(*offsets) : nullptr, bits, K,
+                 group};
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (M > many_rows) {
