@@ -10,8 +10,9 @@ Kernels:
     products run on the packed bytes (AVX-512 VNNI); above, tiles of the weight are
     dequantized into a bf16 GEMM (default_many_rows: only CPUs with AMX go there). PyTorch's
     own int4/int8 CPU kernels dequantize each weight to float32 in registers for each small
-    block of rows and multiply with float32 FMAs: 2.8x this kernel's time on one row, and
-    their cost grows with the rows (scripts/bench_quant_linear.py).
+    block of rows and multiply with float32 FMAs, so their cost grows with the rows: a whole
+    model's layers took 1.1-1.2x this kernel's time on one row (both near the memory
+    bandwidth), 1.8-2x at 16 rows, 2.6-3x from 64 (scripts/bench_quant_linear.py).
   - Int4Linear elsewhere. CPU: `aten._weight_int4pack_mm_for_cpu` (PyTorch's own AVX-512/AVX2
     int4 kernel, as torchao uses it). CUDA: `aten._weight_int4pack_mm` (tinygemm, bf16).
     Both compute w = (q - 8) s + z per group, so a QuantizedWeight's w = s q + o becomes
@@ -41,8 +42,8 @@ from torch import nn
 
 from runtime.models.cpu_kernels import cpu_kernels_available
 from runtime.models.packed_linear import PackedLinear, can_prepack
-from runtime.platform import amx_available
 from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
+from runtime.platform import amx_available
 
 
 def cuda_int4_inner_k_tiles(in_features: int) -> int:

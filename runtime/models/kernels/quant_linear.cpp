@@ -6,8 +6,8 @@
 //     integer dot products run straight on the packed weight bytes (AVX-512 VNNI vpdpbusd:
 //     64 multiply-adds per instruction). The weight is read once for all rows and never
 //     expanded, so a step runs near the memory bandwidth limit. PyTorch's own int4/int8 CPU
-//     kernels dequantize each weight to float32 in registers and multiply with float32 FMAs:
-//     compute bound, at 2-4x these kernels' time on one row.
+//     kernels dequantize each weight to float32 in registers for each small block of rows and
+//     multiply with float32 FMAs: compute bound from a few rows (2-3x this time at 16-512).
 //   - M > many_rows (prefill chunks, large batches): each tile of W is dequantized once into
 //     a bf16 buffer [K, tile] that stays in L2, and the tile's product runs as a bf16 GEMM
 //     (at::mm: oneDNN, with AMX or AVX-512 BF16 where the CPU has them); x stays bf16.
