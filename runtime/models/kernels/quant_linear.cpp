@@ -156,40 +156,49 @@ struct Weight {
   int64_t groups() const { return K / group; }
 };
 
-// Rows m0 .. m0+R of y for output block b, as float32 [R, 16] into out.
-template <bool kVector, int R>
+// Rows m0 .. m0+R of y for output block b, as float32 [R, 16] into out. Loops run over groups
+// and then their k blocks (no division in the loop); kBits is a template argument so that
+// the inner loop holds no branch.
+template <bool kVector, int R, int kBits>
 void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, float* out) {
-  const int64_t K = w.K, kblocks = K / 32, per_group = w.group / 32;
-  const uint8_t* qb = w.q + b * w.block_bytes();
-  const uint16_t* sb = w.scales + b * w.groups() * kBlock;
-  const uint16_t* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
+  const int64_t K = w.K, kblocks = K / 32, per_group = w.group / 32, groups = w.groups();
+  constexpr int64_t kBlockBytes = kBits == 4 ? 256 : 512;  // one k block of 32 x 16 outputs
+  const uint8_t* __restrict qb = w.q + b * w.block_bytes();
+  const uint16_t* __restrict sb = w.scales + b * groups * kBlock;
+  const uint16_t* __restrict ob = w.offsets ? w.offsets + b * groups * kBlock : nullptr;
+  const int8_t* __restrict xq = a.q.data() + m0 * K;  // rows m0 .. m0+R, each K
+  const float* __restrict xscale = a.scale.data() + m0 * kblocks;
+  const float* __restrict xsum = a.sum.data() + m0 * kblocks;
+  const int32_t* __restrict xqsum = a.qsum.data() + m0 * kblocks;
 #ifdef HS_VNNI
   if constexpr (kVector) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      __m512i wq[8];  // quad t: 16 outputs x k 4t..4t+3 of this block, unsigned bytes
-      if (w.bits == 4) {
-        for (int c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(qb + kb * 256 + 64 * c);
-          wq[2 * c] = _mm512_and_si512(v, low);
-          wq[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-      } else {
-        for (int t = 0; t < 8; ++t) wq[t] = _mm512_loadu_si512(qb + kb * 512 + 64 * t);
-      }
-      const int64_t g = kb / per_group;
+    for (int64_t g = 0; g < groups; ++g) {
       const __m512 s = load_halves(sb + g * kBlock);
       const __m512 o = ob ? load_halves(ob + g * kBlock) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int64_t blk = (m0 + r) * kblocks + kb;
-        const auto* xq = reinterpret_cast<const int32_t*>(a.q.data() + blk * 32);
-        __m512i dot = _mm512_setzero_si512();
-        for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, wq[t], _mm512_set1_epi32(xq[t]));
-        if (w.bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.qsum[blk]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(a.scale[blk])), acc[r]);
-        if (ob) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sum[blk]), acc[r]);
+      for (int64_t kb = g * per_group; kb < (g + 1) * per_group; ++kb) {
+        const uint8_t* p = qb + kb * kBlockBytes;
+        __m512i wq[8];  // quad t: 16 outputs x k 4t..4t+3 of this block, unsigned bytes
+        if constexpr (kBits == 4) {
+          for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(p + 64 * c);
+            wq[2 * c] = _mm512_and_si512(v, low);
+            wq[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          }
+        } else {
+          for (int t = 0; t < 8; ++t) wq[t] = _mm512_loadu_si512(p + 64 * t);
+        }
+        for (int r = 0; r < R; ++r) {
+          const auto* x4 = reinterpret_cast<const int32_t*>(xq + r * K + kb * 32);
+          __m512i dot = _mm512_setzero_si512();
+          for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, wq[t], _mm512_set1_epi32(x4[t]));
+          const int64_t blk = r * kblocks + kb;
+          if constexpr (kBits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * xqsum[blk]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(xscale[blk])), acc[r]);
+          if (ob) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[blk]), acc[r]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, acc[r]);
@@ -199,28 +208,27 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
   for (int r = 0; r < R; ++r) {
     float acc[kBlock] = {};
     for (int64_t kb = 0; kb < kblocks; ++kb) {
-      const int64_t blk = (m0 + r) * kblocks + kb, g = kb / per_group;
-      const int8_t* xq = a.q.data() + blk * 32;
+      const int64_t blk = r * kblocks + kb, g = kb / per_group;
+      const int8_t* x = xq + r * K + kb * 32;
       for (int i = 0; i < kBlock; ++i) {
         int32_t dot = 0;
         for (int t = 0; t < 8; ++t) {
           for (int j = 0; j < 4; ++j) {
-            const int32_t u = w.bits == 4
-                ? (qb[kb * 256 + 64 * (t / 2) + 4 * i + j] >> (4 * (t % 2))) & 15
-                : qb[kb * 512 + 64 * t + 4 * i + j];
-            dot += u * xq[4 * t + j];
+            const int32_t u = kBits == 4 ? (qb[kb * kBlockBytes + 64 * (t / 2) + 4 * i + j] >> (4 * (t % 2))) & 15
+                                         : qb[kb * kBlockBytes + 64 * t + 4 * i + j];
+            dot += u * x[4 * t + j];
           }
         }
-        if (w.bits == 8) dot -= 128 * a.qsum[blk];
-        acc[i] += static_cast<float>(dot) * (half_to_float(sb[g * kBlock + i]) * a.scale[blk]);
-        if (ob) acc[i] += half_to_float(ob[g * kBlock + i]) * a.sum[blk];
+        if (kBits == 8) dot -= 128 * xqsum[blk];
+        acc[i] += static_cast<float>(dot) * (half_to_float(sb[g * kBlock + i]) * xscale[blk]);
+        if (ob) acc[i] += half_to_float(ob[g * kBlock + i]) * xsum[blk];
       }
     }
     std::memcpy(out + r * kBlock, acc, sizeof(acc));
   }
 }
 
-template <bool kVector>
+template <bool kVector, int kBits>
 void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uint16_t* y) {
   at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     float out[kRowTile * kBlock];
@@ -228,10 +236,10 @@ void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uin
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, M - m0);
         switch (rows) {
-          case 4: dot_block<kVector, 4>(w, b, a, m0, out); break;
-          case 3: dot_block<kVector, 3>(w, b, a, m0, out); break;
-          case 2: dot_block<kVector, 2>(w, b, a, m0, out); break;
-          default: dot_block<kVector, 1>(w, b, a, m0, out); break;
+          case 4: dot_block<kVector, 4, kBits>(w, b, a, m0, out); break;
+          case 3: dot_block<kVector, 3, kBits>(w, b, a, m0, out); break;
+          case 2: dot_block<kVector, 2, kBits>(w, b, a, m0, out); break;
+          default: dot_block<kVector, 1, kBits>(w, b, a, m0, out); break;
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t i = 0; i < kBlock; ++i) y[(m0 + r) * N + b * kBlock + i] = bf16_bits(out[r * kBlock + i]);
@@ -249,8 +257,9 @@ void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, in
   const uint8_t* qb = w.q + b * w.block_bytes();
   const uint16_t* sb = w.scales + b * w.groups() * kBlock;
   const uint16_t* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
-  for (int64_t t = 0; t < K / 4; ++t) {  // quad t: k 4t..4t+3
-    const int64_t g = t / (8 * per_group);
+  const int64_t quads_per_group = 8 * per_group;
+  for (int64_t t = 0, g = 0; t < K / 4; ++t) {  // quad t: k 4t..4t+3, in group g
+    if (t == (g + 1) * quads_per_group) ++g;
     // int4: quad t sits in chunk (t % 8) / 2 of k block t / 8, in the low (even t) or high nibbles
     const uint8_t* chunk = w.bits == 4 ? qb + (t / 8) * 256 + 64 * ((t % 8) / 2) : qb + 64 * t;
     const int shift = w.bits == 4 ? 4 * (t % 2) : 0;
@@ -326,7 +335,11 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc
     gemm_rows<kVector>(w, x, N, tile_bytes, y);
   } else {
     const QuantizedRows a = quantize_rows<kVector>(x);
-    dot_rows<kVector>(w, a, M, N, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    if (bits == 4)
+      dot_rows<kVector, 4>(w, a, M, N, yd);
+    else
+      dot_rows<kVector, 8>(w, a, M, N, yd);
   }
   return y;
 }
