@@ -221,6 +221,29 @@ def table(rows: list[Row]) -> str:
 
 # ---------------------------------------------------------------- main
 
+def run_rounds(jobs, rounds: int, bin_dir: Path) -> None:
+    """Interleaved rounds: per round and job, llama.cpp's run, then each of ours."""
+    for rnd in range(rounds):
+        for label, run_llama, run_ours, group in jobs:
+            try:
+                tool = ("llama-speculative-simple" if label.startswith("draft") else
+                        "llama-bench" if label.endswith("batch 1") else "llama-batched-bench")
+                if not (bin_dir / tool).is_file():
+                    raise FileNotFoundError(f"no {tool} in {bin_dir} (scripts/build_llama_cpp.sh builds it)")
+                rate = run_llama()
+                for row, _ in group:
+                    row.llama.append(rate)
+            except (RuntimeError, OSError, FileNotFoundError) as e:
+                for row, _ in group:
+                    row.error = str(e).splitlines()[0][:300]
+                rate = None
+            msg = f"round {rnd + 1}/{rounds} {label}: llama.cpp {fmt(rate)}"
+            for row, llm in group:
+                row.ours.append(run_ours(llm))
+                msg += f", ours[{row.quantization.split(':')[0]}] {row.ours[-1]:.1f}"
+            log(msg + " tok/s")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -269,6 +292,10 @@ def main(argv=None) -> None:
                 rows.append(row)
             jobs.append((label, run_llama, run_ours, group))
 
+    run_rounds(jobs, args.rounds, bin_dir)
+    for _, _, _, group in jobs:  # the plain engines go before the speculative ones load (engines in one
+        for _, llm in group:     # process share its cores: a live speculative engine slowed a plain one)
+            llm.close()
     if args.speculative:
         target, draft = gguf_path(args.target), gguf_path(args.draft)
         prompt = PROMPTS[0]
@@ -299,27 +326,7 @@ def main(argv=None) -> None:
             if m.mean_acceptance_length:
                 notes.append(f"ours: mean acceptance length {m.mean_acceptance_length:.2f}")
             return (m.num_tokens - 1) / (m.finished_time - m.first_token_time)
-        jobs.append(("draft speculation, batch 1", run_llama_spec, run_ours_spec, group))
-
-    for rnd in range(args.rounds):
-        for label, run_llama, run_ours, group in jobs:
-            try:
-                tool = ("llama-speculative-simple" if label.startswith("draft") else
-                        "llama-bench" if label.endswith("batch 1") else "llama-batched-bench")
-                if not (bin_dir / tool).is_file():
-                    raise FileNotFoundError(f"no {tool} in {bin_dir} (scripts/build_llama_cpp.sh builds it)")
-                rate = run_llama()
-                for row, _ in group:
-                    row.llama.append(rate)
-            except (RuntimeError, OSError, FileNotFoundError) as e:
-                for row, _ in group:
-                    row.error = str(e).splitlines()[0][:300]
-                rate = None
-            msg = f"round {rnd + 1}/{args.rounds} {label}: llama.cpp {fmt(rate)}"
-            for row, llm in group:
-                row.ours.append(run_ours(llm))
-                msg += f", ours[{row.quantization.split(':')[0]}] {row.ours[-1]:.1f}"
-            log(msg + " tok/s")
+        run_rounds([("draft speculation, batch 1", run_llama_spec, run_ours_spec, group)], args.rounds, bin_dir)
 
     load_end = os.getloadavg()
     text = table(rows)
