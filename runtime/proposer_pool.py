@@ -32,7 +32,9 @@ class ProposerPool:
         self.runner = runner  # target_gpu.model_runner.ModelRunner: hands out feature layers
         self.proposers: dict[str, Proposer] = {}
         self.breakers: dict[str, CircuitBreaker] = {}  # per proposer: repeated failures turn it off a while
-        self.controller = SpeculationController(adaptive=config.adaptive_speculation)
+        # plain steps compiled, verify steps eager (the CPU): the controller measures a plain step
+        compiled_plain = getattr(runner, "compiled_decode", None) is not None
+        self.controller = SpeculationController(adaptive=config.adaptive_speculation, plain_probe=compiled_plain)
         self.proposed_at = 0.0  # time.perf_counter() when the last propose() returned
 
     # ---- building -----------------------------------------------------------------------

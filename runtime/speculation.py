@@ -43,6 +43,13 @@ operate. Probes are spaced so that they
 cost at most `probe_budget` of the time (one sequence per probe, and with a draft model
 a probe's draft forwards count), and at most 8 x probe_interval steps apart, so when
 speculation does not pay, probing costs a few percent.
+The other way round, with `plain_probe` (the engine sets it where plain steps run another
+path than drafted ones: the CPU's compiled decode step, while verify steps run eagerly),
+a step without drafts is taken as soon as drafted steps have been measured and plain ones
+not, and again every probe_interval steps until one is measured (a step with prefill is
+not): the drafted steps' fit says nothing of a plain step there. Without it, speculation
+that never pays (a 0.5B draft on a 1.5B target, sharing two cores) ran every step at
+two-thirds of plain decoding's speed, its only estimate of a plain step the eager one.
 """
 from __future__ import annotations
 
@@ -114,8 +121,10 @@ def _smooth(average: list[float], values: list[float], weight: float) -> None:
 class SpeculationController:
     def __init__(self, adaptive: bool = True, prior_acceptance: float = 0.6, smoothing: float = 0.2,
                  probe_interval: int = 8, probe_budget: float = 0.05, draft_decay: float = 0.8,
-                 node_smoothing: float = 0.1, shared_smoothing: float = 0.02):
+                 node_smoothing: float = 0.1, shared_smoothing: float = 0.02, plain_probe: bool = False):
         self.adaptive = adaptive
+        self.plain_probe = plain_probe  # plain steps run another path: measure one (the module docstring)
+        self.steps_since_plain_probe = probe_interval  # (so that the first chance takes one)
         self.prior_acceptance = prior_acceptance
         self.smoothing = smoothing  # of a request's acceptance rate, per verdict
         self.node_smoothing = node_smoothing  # of a request's node curve, per verify step
@@ -176,6 +185,11 @@ class SpeculationController:
         """Draft nodes per sequence this step, each at most its cap."""
         if not self.adaptive or not (self.cost.has_data or self.plain_cost.has_data):
             return list(caps)
+        if self.plain_probe and not self.plain_cost.has_data:
+            self.steps_since_plain_probe += 1
+            if self.steps_since_plain_probe > self.probe_interval:
+                self.steps_since_plain_probe = 0
+                return [0] * len(caps)
         plans = [self.node_plan(request_id, cap) for request_id, cap in zip(request_ids, caps)]
         # every draft node in the order of its gain (each sequence's gains are non-increasing,
         # and the sort is stable, so a sequence's nodes stay in order)

@@ -183,6 +183,28 @@ def test_first_draft_token_pays_the_jump_from_plain_to_verify_steps():
     assert merged.budgets(["s"], [8])[0] > 0
 
 
+def test_a_plain_step_is_measured_where_plain_steps_run_another_path():
+    """The CPU: plain steps compiled (30 ms), drafted steps eager (45 ms + 1 ms a token),
+    60% acceptance, a draft forward 15 ms. Judged by the drafted steps' fit alone, drafting
+    wins; with plain_probe one plain step is taken, measured, and drafting stops. A plain
+    step with prefill measures nothing, so the probe comes again probe_interval steps on."""
+    def controller_with(plain_probe: bool) -> SpeculationController:
+        controller = SpeculationController(prior_acceptance=0.6, probe_interval=10**9, plain_probe=plain_probe)
+        controller.probe_interval = 4  # plain probes every 4 steps; draft probes never (steps_below_cap)
+        for tokens in (3, 5, 7):
+            controller.observe_step(tokens, 0.045 + 0.001 * tokens, has_drafts=True)
+        controller.observe_drafting(1, 1, 0.015)
+        return controller
+
+    assert controller_with(False).budgets(["s"], [4])[0] > 0  # the eager fit: drafting looks worth it
+    probed = controller_with(True)
+    assert probed.budgets(["s"], [4]) == [0]  # the plain probe
+    assert probed.budgets(["s"], [4])[0] > 0  # (its step had prefill: not measured)
+    assert [probed.budgets(["s"], [4])[0] > 0 for _ in range(4)] == [True, True, True, False]  # 4 steps on
+    probed.observe_step(1, 0.030, has_drafts=False)
+    assert probed.budgets(["s"], [4]) == [0]  # 30 ms plain beats 1 + 0.6 + ... tokens in 60+ ms
+
+
 def test_probes_refresh_a_stale_cost_estimate_one_sequence_a_step():
     """Drafted steps once measured (in a noisy moment) at 10x their cost switch drafting off;
     full-size probes of one sequence, spaced by their predicted cost but at most
