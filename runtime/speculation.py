@@ -47,9 +47,9 @@ The other way round, with `plain_probe` (the engine sets it where plain steps ru
 path than drafted ones: the CPU's compiled decode step, while verify steps run eagerly),
 a step without drafts is taken as soon as drafted steps have been measured and plain ones
 not, and again every probe_interval steps until one is measured (a step with prefill is
-not): the drafted steps' fit says nothing of a plain step there. Without it, speculation
-that never pays (a 0.5B draft on a 1.5B target, sharing two cores) ran every step at
-two-thirds of plain decoding's speed, its only estimate of a plain step the eager one.
+not): the drafted steps' fit says nothing of a plain step there. Without it, a CPU
+engine whose drafts did not pay drafted on every step anyway, its only estimate of a
+plain step the eager one.
 """
 from __future__ import annotations
 
