@@ -11,6 +11,14 @@ Without a core list: with the target on a GPU, the draft takes every core but on
 is left to the engine and HTTP loops; with the target on the CPU, nothing is pinned and
 draft and target take turns on all cores (on a small CPU, splitting the cores between
 them costs each more than overlapping gains; `scripts/bench_draft.py` measures both).
+Taking turns, the draft runs on the engine's own thread, not a thread of its own.
+
+One OpenMP thread team per core set: libgomp counts the worker threads of every team in
+the process, and when they outnumber the cores it stops its waiting threads spinning
+(100 spins, not 300,000) and puts them to sleep between two parallel regions. A compiled
+decode step is a few hundred short parallel regions, each then paying a futex wake-up:
+a second team, even an idle one, makes a step measurably slower. Pinned, the draft's team and the rest's
+add up to the cores; unpinned, draft and target share the one team of the engine thread.
 """
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
-"""The draft worker: a draft model on its own thread (and cores), with its own paged KV
-cache that rolls back to any committed length.
+"""The draft worker: a draft model on its own thread (and cores), or on the caller's thread
+when it shares the cores with a CPU target, with its own paged KV cache that rolls back to
+any committed length.
 
 The model is the target's decoder code (runtime.models) loaded from any model spec (an
 alias, a GGUF file, an HF directory), and it runs through the same ModelRunner as the
 target: "these tokens at these positions", over a paged KV cache of its own. Every call
 into the worker goes through `submit`, which runs it on the worker's one thread; torch
-releases the GIL inside its ops, so the engine thread runs the target meanwhile.
+releases the GIL inside its ops, so the engine thread runs the target meanwhile. A worker
+without a thread of its own (`own_thread=False`) runs each call at once on the calling
+thread: draft and target then share one OpenMP thread team (draft_cpu.placement says why
+that matters).
 
 Per request the worker keeps a DraftSequence: the tokens whose KV it has computed and
 their blocks. `sync(request_id, token_ids)` lines it up with the engine's committed
@@ -20,7 +24,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -55,8 +59,26 @@ class DraftWorkerConfig:
     cpu_cores: list[int] | None = None  # pin the worker here; None: no pinning
     num_kv_tokens: int = 65536  # KV cache capacity in tokens
     block_size: int = 16
+    own_thread: bool = True  # False: calls run on the calling thread (InlineExecutor)
     compile_decode: bool = False  # plain decode steps as one compiled graph (target_gpu.compiled_decode), on the
     # CPU with the torch backend (Dynamo cannot trace IPEX's prepacked linear layers)
+
+
+class InlineExecutor(Executor):
+    """An Executor that runs each call at once, on the calling thread, one call at a time."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
+        with self._lock:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                future.set_exception(e)
+        return future
 
 
 class DraftWorker:
@@ -70,13 +92,14 @@ class DraftWorker:
         self._busy_intervals: deque[tuple[float, float]] = deque(maxlen=256)  # recent forwards (perf_counter)
         self._busy_since: float | None = None  # start of the forward in progress
         self.target_cores: list[int] | None = None  # the cores left to the rest of the process, when pinned
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker")
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker") if config.own_thread
+                          else InlineExecutor())
         self._thread_id: int | None = None
         self.submit(self._start).result()
 
     # ---- thread -------------------------------------------------------------------------
     def submit(self, fn, *args, **kwargs) -> Future:
-        """Run fn(*args, **kwargs) on the worker thread."""
+        """Run fn(*args, **kwargs) on the worker thread (at once, on this thread, without one)."""
         return self._executor.submit(fn, *args, **kwargs)
 
     def close(self) -> None:
@@ -85,6 +108,8 @@ class DraftWorker:
     def _start(self) -> None:
         cfg = self.config
         self._thread_id = threading.get_native_id()
+        if cfg.cpu_cores is not None and not cfg.own_thread:
+            raise ValueError("a draft worker pinned to its own cores needs its own thread")
         if cfg.cpu_cores is not None and self.device.type == "cpu":
             all_cores = available_cores()
             pin_current_thread(cfg.cpu_cores)
@@ -105,6 +130,8 @@ class DraftWorker:
         placement = ("cores " + format_core_list(cfg.cpu_cores) + f" ({torch.get_num_threads()} threads)"
                      if cfg.cpu_cores is not None and self.device.type == "cpu"
                      else f"{torch.get_num_threads()} threads, unpinned" if self.device.type == "cpu" else "")
+        if not cfg.own_thread:
+            placement += ", on the engine's thread"
         log.info("draft model %s (%s, %d layers) on %s: %s; %s; KV cache %d tokens (%.1f MiB)", cfg.model,
                  mc.architecture, mc.num_layers, self.device, description, placement, num_blocks * cfg.block_size,
                  kv_mib)

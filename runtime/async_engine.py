@@ -5,6 +5,11 @@
                                                        engine.step() while there is work
     RequestStream <-- asyncio.Queue <--call_soon_threadsafe-- RequestOutput per request
 
+The loop thread is also the thread that builds the engine, when AsyncEngine is given a
+function that builds one (the server does so): torch's CPU threads form one OpenMP team per
+calling thread, and a team left behind by the thread that loaded the models slows every
+step of the one that runs them (draft_cpu.placement says how).
+
 Continuous batching across clients falls out of this: whatever requests are queued when
 a step ends join the next one. The engine is not thread-safe, so only the loop thread
 mutates it; commands wait in a list until the step in progress ends. An add's ValueError
@@ -23,7 +28,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from runtime.engine import LLMEngine, Prompt
 from runtime.outputs import RequestOutput
@@ -67,18 +72,23 @@ class _Abort:
 
 
 class AsyncEngine:
-    """`on_death(error)`, when given, is called from the loop thread if the loop dies."""
+    """Drives `engine`, or the engine that `engine()` builds on the loop thread (its error,
+    if it raises, is raised here). `on_death(error)`, when given, is called from the loop
+    thread if the loop dies."""
 
-    def __init__(self, engine: LLMEngine, on_death=None):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], on_death=None):
         self.on_death = on_death
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []  # guarded by _cond
         self._error: EngineDeadError | None = None  # guarded by _cond
         self._stopping = False
         self._streams: dict[str, _Stream] = {}  # touched by the loop thread only
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        built = concurrent.futures.Future()
+        if isinstance(engine, LLMEngine) or not callable(engine):
+            built.set_result(engine)
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="engine-loop", daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()
 
     # ---- any thread / the event loop ------------------------------------------------------
     @property
@@ -151,7 +161,15 @@ class AsyncEngine:
                 self.abort(request_id)
 
     # ---- the loop thread --------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, engine, built: concurrent.futures.Future) -> None:
+        if not built.done():  # `engine` builds the engine
+            try:
+                engine = engine()
+            except BaseException as e:  # noqa: BLE001 - raised again on the constructing thread
+                built.set_exception(e)
+                return
+            built.set_result(engine)
+        self.engine = engine
         try:
             while (commands := self._next_commands()) is not None:
                 for command in commands:

@@ -369,21 +369,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_waiting_requests < 1 or args.shutdown_timeout < 0:
         print("error: --max-waiting-requests must be >= 1 and --shutdown-timeout >= 0", file=sys.stderr)
         sys.exit(2)
-    try:
-        engine = LLMEngine(engine_config(args))
-    except (ModelNotFoundError, UnsupportedModelError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-    except TPWorkerError as e:  # a rank failed while starting
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
     deaths: list[Exception] = []
 
     def on_death(error: Exception) -> None:  # from the engine loop thread; uvicorn polls should_exit
         deaths.append(error)
         server.should_exit = True
 
-    async_engine = AsyncEngine(engine, on_death=on_death)
+    try:  # the engine loop's thread builds the engine (runtime.async_engine says why)
+        async_engine = AsyncEngine(lambda: LLMEngine(engine_config(args)), on_death=on_death)
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    except TPWorkerError as e:  # a rank failed while starting
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     app = build_app(async_engine, args.served_model_name or args.model, args.api_key, args.max_waiting_requests)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

@@ -331,9 +331,13 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
         log.warning("--draft-cpu-cores is ignored: the draft model runs on %s", device)
     max_nodes = max(config.speculative_tokens("draft"), 1)
     num_kv_tokens = target.num_kv_tokens + target.max_num_seqs * (max_nodes + config.block_size)
+    # sharing the target's cores (and not asked to overlap), the draft takes turns with it on
+    # the engine's thread: one OpenMP team for both (draft_cpu.placement)
+    shares_cores = device.type == "cpu" == target.device.type and cores is None
+    own_thread = not shares_cores or config.draft_overlap == "on"
     worker = DraftWorker(DraftWorkerConfig(config.draft_model, str(device), dtype, config.draft_backend,
                                            config.draft_quantization, cores, num_kv_tokens, config.block_size,
-                                           compile_decode=not config.enforce_eager))
+                                           own_thread=own_thread, compile_decode=not config.enforce_eager))
     try:
         check_same_vocabulary(worker.tokenizer, target.tokenizer, config.draft_model)
     except ValueError:

@@ -451,3 +451,24 @@ def test_dead_engine_loop_calls_on_death():
     with serving(build_app(async_engine, MODEL)) as base_url:
         assert httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 503
     assert len(deaths) == 1 and "boom" in str(deaths[0])
+
+
+def test_an_engine_built_by_a_function_is_built_on_the_loop_thread():
+    """The thread that steps the engine is the one that loaded it (one OpenMP team:
+    draft_cpu.placement)."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_native_id())
+        return BrokenEngine()
+    async_engine = AsyncEngine(build)
+    assert built_on == [async_engine._thread.native_id] != [threading.get_native_id()]
+    assert isinstance(async_engine.engine, BrokenEngine)
+
+
+def test_an_engine_that_fails_to_build_raises_where_it_was_asked_for():
+    def build():
+        raise ValueError("no such model")
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
+

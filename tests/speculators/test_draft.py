@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -95,13 +96,25 @@ def test_self_draft_is_lossless_and_accepted(self_draft_engine):
     assert rate > 0.9, rate  # the draft is the target: only near-ties in other matrix shapes differ
 
 
-@pytest.fixture
-def overlapping(self_draft_engine):
-    """The self-draft engine drafting ahead while the target verifies."""
-    proposer = self_draft_engine.pool.get("draft")
-    proposer.overlap = True
-    yield self_draft_engine
-    proposer.overlap = False
+@pytest.fixture(scope="module")
+def overlapping():
+    """A self-draft engine asked to draft ahead while the target verifies (sharing the
+    cores, the draft then gets a thread of its own)."""
+    engine = make_engine("smollm2-135m", draft_dtype="float32", draft_backend="torch", speculative_tree_width=1,
+                         adaptive_speculation=False, draft_overlap="on")
+    yield engine
+    engine.close()
+
+
+def worker_thread_id(engine) -> int:
+    return engine.pool.get("draft").worker.submit(threading.get_native_id).result()
+
+
+def test_a_draft_sharing_the_targets_cores_runs_on_the_engines_thread(self_draft_engine, overlapping):
+    """Taking turns on the CPU, draft and target share the engine thread's OpenMP team
+    (draft_cpu.placement); a draft asked to overlap has its own thread."""
+    assert worker_thread_id(self_draft_engine) == threading.get_native_id()
+    assert worker_thread_id(overlapping) != threading.get_native_id()
 
 
 def test_drafting_ahead_is_lossless_and_overlaps(overlapping, monkeypatch):
