@@ -293,8 +293,8 @@ def main(argv=None) -> None:
             jobs.append((label, run_llama, run_ours, group))
 
     run_rounds(jobs, args.rounds, bin_dir)
-    for _, _, _, group in jobs:  # the plain engines go before the speculative ones load (engines in one
-        for _, llm in group:     # process share its cores: a live speculative engine slowed a plain one)
+    for _, _, _, group in jobs:  # the plain engines go before the speculative ones load: one engine
+        for _, llm in group:     # at a time holds the cores
             llm.close()
     if args.speculative:
         target, draft = gguf_path(args.target), gguf_path(args.draft)
