@@ -19,6 +19,10 @@ the process, and when they outnumber the cores it stops its waiting threads spin
 decode step is a few hundred short parallel regions, each then paying a futex wake-up:
 a second team, even an idle one, makes a step measurably slower. Pinned, the draft's team and the rest's
 add up to the cores; unpinned, draft and target share the one team of the engine thread.
+A team lasts as long as its thread, or until it runs a parallel region with fewer
+threads: the target loads on a thread of its own (`on_a_thread_of_its_own`), and the
+engine thread's team shrinks to the cores left to it once a draft takes some
+(`fit_openmp_team`).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import logging
 import os
 import re
 import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -88,6 +93,32 @@ def pin_current_thread(cores: list[int]) -> None:
     # parallel op; trigger that first so the count set next stays this thread's own
     torch.get_num_threads()
     torch.set_num_threads(len(cores))
+
+
+def fit_openmp_team(num_threads: int) -> None:
+    """Give the calling thread's OpenMP team `num_threads` threads, and let the workers
+    past them go now: libgomp does so when the team next runs a parallel region with
+    fewer threads, which a large fill is (torch parallelises it in chunks of 32768). A
+    team of one thread runs no region, so it keeps the workers it had."""
+    torch.set_num_threads(num_threads)
+    if num_threads > 1:
+        torch.ones(num_threads * 65536)  # one parallel region of num_threads threads
+
+
+def on_a_thread_of_its_own(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a new thread that ends when fn returns; its result, or its
+    exception raised here. The OpenMP workers fn's torch ops start end with that thread."""
+    result = Future()
+
+    def run() -> None:
+        try:
+            result.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            result.set_exception(e)
+    thread = threading.Thread(target=run, name="loader", daemon=True)
+    thread.start()
+    thread.join()
+    return result.result()
 
 
 def move_other_threads(cores: list[int], keep: set[int]) -> int:

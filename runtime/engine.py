@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from draft_cpu.placement import parse_core_list
+from draft_cpu.placement import on_a_thread_of_its_own, parse_core_list
 from runtime.block_manager import BlockManager
 from runtime.config import SPECULATION_ARGS, EngineConfig
 from runtime.logprobs import TokenLogprobs, layout_logprobs
@@ -63,7 +63,10 @@ class LLMEngine:
             quantization = "none"
         self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
-        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, load_device, quantization)
+        # loading uses every core; the OpenMP workers it starts end with the loading thread
+        # (draft_cpu.placement: a GPU target's thread, or a CPU target's beside a pinned draft, needs fewer)
+        self.model, self.tokenizer, self.model_config = on_a_thread_of_its_own(load_model, config.model, self.dtype,
+                                                                               load_device, quantization)
         if launch is not None:
             self.runner = TPRunner(self.model, config.model, self.dtype, launch, self._size_kv_pool,
                                    config.block_size, config.attention_backend, self._draft_cores())

