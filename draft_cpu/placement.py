@@ -17,9 +17,9 @@ One OpenMP thread team per core set: libgomp counts the worker threads of every 
 the process, and when they outnumber the cores it stops its waiting threads spinning
 (100 spins, not 300,000) and puts them to sleep between two parallel regions. A compiled
 decode step is a few hundred short parallel regions, each then paying a futex wake-up:
-a second team, even an idle one, makes a step measurably slower. Pinned, the draft's team and the rest's
-add up to the cores; unpinned, draft and target share the one team of the engine thread.
-A team lasts as long as its thread, or until it runs a parallel region with fewer
+a second team, even an idle one, makes a step measurably slower. Pinned, the draft's
+team and the rest's add up to the cores; unpinned, draft and target share the one team
+of the engine thread. A team lasts as long as its thread, or until it runs a parallel region with fewer
 threads: the target loads on a thread of its own (`on_a_thread_of_its_own`), and the
 engine thread's team shrinks to the cores left to it once a draft takes some
 (`fit_openmp_team`).

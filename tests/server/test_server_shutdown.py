@@ -86,3 +86,12 @@ def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0():
         assert proc.wait(60) == 0
         assert time.monotonic() - start < 45, "the drain did not stop at the timeout"
         assert not events or all('"finish_reason":"length"' not in e for e in events)
+
+
+def test_a_model_that_cannot_load_exits_2_with_one_line():
+    """The engine is built on the engine loop's thread; its error still reaches the user as before."""
+    proc = subprocess.run([sys.executable, "-m", "runtime.serve", "--port", str(free_port()), "--model",
+                           str(REPO / "no-such-model")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no-such-model" in errors[0], proc.stderr
