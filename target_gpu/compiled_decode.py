@@ -1,19 +1,25 @@
-"""A plain decode step (every sequence brings one new token, no draft tree) as one
-torch.compile'd graph: the whole decoder, its paged attention and the LM head.
+"""A decode or verify step (every sequence brings one new token, and maybe a draft tree
+below it; every token wants logits) as one torch.compile'd graph: the whole decoder, its
+paged attention and the LM head.
 
 Eager PyTorch spends most of a small model's decode step dispatching small operators
 (norms, rotary, residual adds, attention glue: about 70 per layer). Inductor fuses them into
 a few C++ kernels per layer around the weight kernels (quant_linear's int4/int8 calls,
 oneDNN's), so what is left is close to the time the weights take to stream from memory.
-Every other step (prefill chunks, tree verification) runs eagerly, as before.
+Prefill chunks run eagerly.
 
-The attention here is decode-only: each sequence's one query attends to its first seq_len
-cached keys, gathered by its block table (the new key is written to its slot first), so
-the step is described by five tensors whose sizes are the only things that vary:
-  input_ids, positions, slots, seq_lens [B]; block_tables [B, NB].
-B and NB are compiled dynamic (dynamic=True): one graph for one sequence and one for
-more (Dynamo specialises sizes 0 and 1; NB is padded to at least 2 for that reason), both
-compiled when the runner is built (warm_up), so no request waits on compilation.
+Each of the step's T tokens attends to the cache positions marked in its row of a [T, L]
+mask, over its sequence's blocks gathered by block table (the new keys are written to
+their slots first): its context, and itself and its tree ancestors (which sit in the
+cache in the order the step brings them). So the step is described by five tensors whose
+sizes are the only things that vary:
+  input_ids, positions, slots [T]; tables [T, NB] (each token's sequence's block table);
+  visible [T, L], L = NB * block_size.
+T and NB are compiled dynamic (dynamic=True): one graph for one token and one for more
+(Dynamo specialises sizes 0 and 1; NB is padded to at least 2 for that reason), both
+compiled when the runner is built (warm_up), so no request waits on compilation. Each
+token reads its sequence's keys on its own, so a verify step costs T gathers of the
+context: the runner sends long-context trees the eager way (ModelRunner.execute).
 """
 from __future__ import annotations
 
@@ -27,44 +33,39 @@ from target_gpu.kv_cache import KVCache
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D], k, v [B, Hkv, D] (one new token each) -> [B, Hq, D].
-    k_cache, v_cache [num_blocks, block_size, Hkv, D]; slots, seq_lens [B]; block_tables [B, NB];
-    window: a sliding window (the query sees its last `window` keys, itself included)."""
-    b, num_heads, head_dim = q.shape
+                           v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                           visible: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D], k, v [T, Hkv, D] (the step's new tokens) -> [T, Hq, D].
+    k_cache, v_cache [num_blocks, block_size, Hkv, D]; slots [T]; tables [T, NB]: the block
+    table of each token's sequence; visible [T, L] (bool, L = NB * block_size): the cache
+    positions each token attends to (its context, and itself and its tree ancestors)."""
+    t, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
     block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size  # [B]
+    blocks, offsets = slots // block_size, slots % block_size  # [T]
     k_cache[blocks, offsets] = k  # an index_put_ on the cache itself, which Inductor does in place
     v_cache[blocks, offsets] = v
-    keys = k_cache[block_tables].flatten(1, 2)[:, :, :, None, :].float()  # [B, L, Hkv, 1, D], L = NB * block_size
-    values = v_cache[block_tables].flatten(1, 2)[:, :, :, None, :].float()
-    length = keys.shape[1]
-    key_index = torch.arange(length, device=q.device)[None, :]
-    mask = key_index < seq_lens[:, None]  # [B, L]
-    if window is not None:
-        mask &= key_index >= seq_lens[:, None] - window
-    queries = q.view(b, 1, num_kv_heads, g, head_dim).float()  # the G query heads of a KV head share its keys
+    keys = k_cache[tables].flatten(1, 2)[:, :, :, None, :].float()  # [T, L, Hkv, 1, D]
+    values = v_cache[tables].flatten(1, 2)[:, :, :, None, :].float()
+    queries = q.view(t, 1, num_kv_heads, g, head_dim).float()  # the G query heads of a KV head share its keys
     # products and sums rather than matmuls (or F.scaled_dot_product_attention): Inductor reads
     # the gathered keys and values in place, in the cache's layout, with no transposed copy (and
     # SDPA's CPU lowering specialised the graph on L: a recompile each time a sequence grew a block)
-    scores = (queries * keys).sum(-1) * head_dim ** -0.5  # [B, L, Hkv, G]
-    scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
-    out = (scores.softmax(1)[..., None] * values).sum(1)  # [B, Hkv, G, D]
-    return out.to(q.dtype).reshape(b, num_heads, head_dim)
+    scores = (queries * keys).sum(-1) * head_dim ** -0.5  # [T, L, Hkv, G]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    out = (scores.softmax(1)[..., None] * values).sum(1)  # [T, Hkv, G, D]
+    return out.to(q.dtype).reshape(t, num_heads, head_dim)
 
 
 def decode_step(model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], feature_layers: tuple[int, ...],
-                input_ids, positions, slots, block_tables, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
-    """One plain decode step of `model` over per-layer KV caches; (logits [B, V], hidden [B, H'])."""
+                input_ids, positions, slots, tables, visible) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode or verify step of `model` over per-layer KV caches; (logits [T, V], hidden [T, H'])."""
 
     def attention(layer_idx, q, k, v):
-        return paged_decode_attention(q, k, v, k_caches[layer_idx], v_caches[layer_idx], slots, block_tables,
-                                      seq_lens, model.config.sliding_window)
+        return paged_decode_attention(q, k, v, k_caches[layer_idx], v_caches[layer_idx], slots, tables, visible)
 
-    hidden = model(input_ids, positions, attention, feature_layers)  # [B, H']
+    hidden = model(input_ids, positions, attention, feature_layers)  # [T, H']
     return model.compute_logits(hidden[:, :model.config.hidden_size]), hidden
 
 
@@ -100,25 +101,39 @@ class CompiledDecodeStep:
         KV goes to the scratch block; the seconds it took."""
         start = time.perf_counter()
         block_size = self.kv_cache.k[0].shape[1]
-        for b in (1, 2):
-            ids = torch.zeros(b, dtype=torch.long, device=device)
-            slots = torch.full((b,), scratch_block * block_size, dtype=torch.long, device=device)
-            tables = torch.full((b, 2), scratch_block, dtype=torch.long, device=device)  # [B, NB]
+        for t in (1, 2):
+            ids = torch.zeros(t, dtype=torch.long, device=device)
+            slots = torch.full((t,), scratch_block * block_size, dtype=torch.long, device=device)
+            tables = torch.full((t, 2), scratch_block, dtype=torch.long, device=device)  # [T, NB]
+            visible = torch.zeros(t, 2 * block_size, dtype=torch.bool, device=device)  # [T, L]
+            visible[:, 0] = True
             self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.feature_layers, ids, ids.clone(), slots,
-                      tables, torch.ones(b, dtype=torch.long, device=device))
+                      tables, visible)
         return time.perf_counter() - start
 
-    def __call__(self, seqs, device: torch.device, block_size: int):
-        """Run the next token of each of `seqs` (Sequence-like: token_ids, num_computed_tokens,
-        block_table); returns (logits [B, V], hidden [B, H'])."""
-        starts = [seq.num_computed_tokens for seq in seqs]
-        num_blocks = max(2, max(start // block_size + 1 for start in starts))
-        tables = [seq.block_table[:num_blocks] for seq in seqs]
-        ints = torch.tensor([[seq.token_ids[start] for seq, start in zip(seqs, starts)], starts,
-                             [t[start // block_size] * block_size + start % block_size
-                              for t, start in zip(tables, starts)],
-                             [start + 1 for start in starts]], dtype=torch.long)  # [4, B]
-        block_tables = torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long)  # [B, NB]
-        ids, positions, slots, seq_lens = (row.to(device) for row in ints.unbind(0))  # own storage each
+    def __call__(self, step, device: torch.device, block_size: int):
+        """Run a prepared decode or verify step (ModelRunner.prepare's StepInput, every row
+        wanting logits); returns (logits [T, V], hidden [T, H'])."""
+        num_blocks = max(2, max(-(-a.seq_len // block_size) for a in step.attn_inputs))
+        length = num_blocks * block_size
+        window = self.model.config.sliding_window
+        tables, visible = [], torch.zeros(len(step.input_ids), length, dtype=torch.bool)  # [T, L]
+        key = torch.arange(length)
+        for a in step.attn_inputs:
+            rows = slice(a.query_start, a.query_start + a.query_len)
+            tables += [a.block_table[:num_blocks] + [0] * (num_blocks - len(a.block_table))] * a.query_len
+            num_last = a.query_len if a.mask is None else a.mask.shape[1]  # keys under the mask; earlier: context
+            context = a.seq_len - num_last
+            seen = visible[rows]  # [Q, L]
+            seen[:, :context] = True
+            if window is not None:
+                positions = torch.tensor(step.positions[rows])  # [Q]
+                seen[:, :context] &= key[None, :context] > positions[:, None] - window
+            last = (torch.ones(a.query_len, num_last, dtype=torch.bool).tril(num_last - a.query_len)
+                    if a.mask is None else a.mask)  # [Q, num_last]
+            seen[:, context:a.seq_len] = last
+        ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
+        ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
         return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.feature_layers, ids.clone(),
-                         positions.clone(), slots.clone(), block_tables.to(device), seq_lens.clone())
+                         positions.clone(), slots.clone(), torch.tensor(tables, dtype=torch.long, device=device),
+                         visible.to(device))

@@ -63,6 +63,9 @@ def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device, w
     return TritonAttentionBackend(kv_cache)
 
 
+COMPILED_VERIFY_KEYS = 1 << 16  # a verify step's tokens x their longest sequence, at most, for the compiled step
+
+
 @dataclass(slots=True)
 class StepInput:
     """One target pass, as plain data (what tensor-parallel ranks receive)."""
@@ -159,11 +162,21 @@ class ModelRunner:
         input order: each sequence's new tokens, then its tree nodes). H' = H, the final
         hidden states, or with feature layers (1 + k) H: those, then the k layers' inputs."""
         step = self.prepare(seqs, num_new_tokens, needs_logits, trees)
-        if self.compiled_decode is not None and return_hidden != "all" and len(step.logits_rows) == len(seqs) \
-                and len(step.input_ids) == len(seqs):  # one new token a sequence, no tree: a plain decode step
-            logits, hidden = self.compiled_decode(seqs, self.device, self.block_size)
+        if self._runs_compiled(step, num_new_tokens) and return_hidden != "all":
+            logits, hidden = self.compiled_decode(step, self.device, self.block_size)
             return (logits, hidden) if return_hidden else logits
         return self.run(step, return_hidden)
+
+    def _runs_compiled(self, step: StepInput, num_new_tokens: list[int]) -> bool:
+        """A decode step (one new token a sequence), or a verify step (trees below them)
+        whose tokens read at most COMPILED_VERIFY_KEYS cached keys in all: each token of the
+        compiled step gathers its context on its own (compiled_decode)."""
+        if self.compiled_decode is None or any(n != 1 for n in num_new_tokens) \
+                or len(step.logits_rows) != len(step.input_ids):
+            return False
+        tokens = len(step.input_ids)
+        return tokens == len(num_new_tokens) or tokens * max(a.seq_len for a in step.attn_inputs) \
+            <= COMPILED_VERIFY_KEYS
 
     @torch.inference_mode()
     def run(self, step: StepInput, return_hidden: bool | str = False):

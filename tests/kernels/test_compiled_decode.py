@@ -135,3 +135,59 @@ def test_compiled_step_over_quantized_weights_at_any_batch_compiles_nothing_afte
     finally:
         engine.close()
         exact.close()
+
+
+def first_verify_step(engine, compiled: bool) -> torch.Tensor:
+    """Probabilities [R, V] of a verify step after PROMPTS[:2] (prefilled eagerly but for
+    their last token): the first sequence's token with a branching draft tree below it,
+    the second's with a chain, compiled or eager, in blocks 0-3 of a fresh engine."""
+    from types import SimpleNamespace
+    from runtime.draft_tree import DraftTree
+    runner = engine.runner
+    seqs = [SimpleNamespace(token_ids=engine.tokenize(p), num_computed_tokens=0, block_table=[2 * i, 2 * i + 1])
+            for i, p in enumerate(PROMPTS[:2])]
+    runner.execute(seqs, [len(s.token_ids) - 1 for s in seqs], [True, True])
+    for s in seqs:
+        s.num_computed_tokens = len(s.token_ids) - 1
+    trees = [DraftTree([11, 12, 13, 14, 15], [-1, -1, 0, 0, 2]), DraftTree([21, 22, 23], [-1, 0, 1])]
+    step = runner.compiled_decode
+    if not compiled:
+        runner.compiled_decode = None
+    try:
+        return runner.execute(seqs, [1, 1], [True, True], trees).float().softmax(-1)
+    finally:
+        runner.compiled_decode = step
+
+
+def test_compiled_verify_step_matches_eager(compiled_engine):
+    """A verify step of two sequences, a tree and a chain below them, runs compiled (its
+    [T, L] mask: context, self and tree ancestors) with eager's probabilities (float32), on
+    the graphs compiled at start."""
+    calls, restore = counting(compiled_engine.runner)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        compiled = first_verify_step(compiled_engine, True)
+    finally:
+        restore()
+    eager = first_verify_step(compiled_engine, False)
+    assert calls and compiled.shape == eager.shape == (2 + 5 + 3, compiled_engine.model_config.vocab_size)
+    assert (compiled - eager).abs().max().item() < 1e-4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_verify_steps_give_plain_decodings_tokens(compiled_engine, engine_f32, generate):
+    """Lookahead's trees verified by the compiled step, greedy: plain eager decoding's tokens."""
+    trees = []
+    step = compiled_engine.runner.compiled_decode
+    compiled_engine.runner.compiled_decode = lambda s, *a: trees.append(len(s.input_ids) > len(s.attn_inputs)) \
+        or step(s, *a)
+    before = compiled_engine.stats.num_draft_tokens
+    try:
+        got = generate(compiled_engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                                 speculator="lookahead"))
+    finally:
+        compiled_engine.runner.compiled_decode = step
+    assert got == generate(engine_f32, PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert compiled_engine.stats.num_draft_tokens > before and any(trees)
+    blocks = compiled_engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
