@@ -115,23 +115,22 @@ class CompiledDecodeStep:
         """Run a prepared decode or verify step (ModelRunner.prepare's StepInput, every row
         wanting logits); returns (logits [T, V], hidden [T, H'])."""
         num_blocks = max(2, max(-(-a.seq_len // block_size) for a in step.attn_inputs))
-        length = num_blocks * block_size
         window = self.model.config.sliding_window
-        tables, visible = [], torch.zeros(len(step.input_ids), length, dtype=torch.bool)  # [T, L]
-        key = torch.arange(length)
+        tables, limits, trees = [], [], []  # limits [T]: the last cache position a token sees below its tree
         for a in step.attn_inputs:
-            rows = slice(a.query_start, a.query_start + a.query_len)
             tables += [a.block_table[:num_blocks] + [0] * (num_blocks - len(a.block_table))] * a.query_len
-            num_last = a.query_len if a.mask is None else a.mask.shape[1]  # keys under the mask; earlier: context
-            context = a.seq_len - num_last
-            seen = visible[rows]  # [Q, L]
-            seen[:, :context] = True
-            if window is not None:
-                positions = torch.tensor(step.positions[rows])  # [Q]
-                seen[:, :context] &= key[None, :context] > positions[:, None] - window
-            last = (torch.ones(a.query_len, num_last, dtype=torch.bool).tril(num_last - a.query_len)
-                    if a.mask is None else a.mask)  # [Q, num_last]
-            seen[:, context:a.seq_len] = last
+            if a.mask is None:  # causal: each new token sees the ones before it and itself
+                limits += range(a.seq_len - a.query_len, a.seq_len)
+            else:  # a tree: the context, then the tree mask over the last keys
+                context = a.seq_len - a.mask.shape[1]
+                limits += [context - 1] * a.query_len
+                trees.append((a, context))
+        key = torch.arange(num_blocks * block_size)  # [L]
+        visible = key[None, :] <= torch.tensor(limits)[:, None]  # [T, L]
+        if window is not None:
+            visible &= key[None, :] > torch.tensor(step.positions)[:, None] - window
+        for a, context in trees:
+            visible[a.query_start:a.query_start + a.query_len, context:a.seq_len] = a.mask
         ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
         ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
         return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.feature_layers, ids.clone(),

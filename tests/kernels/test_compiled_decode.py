@@ -67,9 +67,10 @@ def test_compiled_draft_model_gives_plain_eager_decodings_tokens(compiled_engine
         engine.close()
 
 
-def first_decode_step(engine, compiled: bool) -> torch.Tensor:
-    """Next-token probabilities [2, V] after PROMPTS[:2], prefilled eagerly but for their last
-    token, which one decode step runs (compiled or eager), in blocks 0-3 of a fresh engine."""
+def first_decode_step(engine, compiled: bool, trees=None) -> torch.Tensor:
+    """Next-token probabilities [R, V] after PROMPTS[:2], prefilled eagerly but for their last
+    token, which one decode step runs (compiled or eager; with draft trees below those
+    tokens, a verify step), in blocks 0-3 of a fresh engine."""
     from types import SimpleNamespace
     runner = engine.runner
     seqs = [SimpleNamespace(token_ids=engine.tokenize(p), num_computed_tokens=0, block_table=[2 * i, 2 * i + 1])
@@ -81,7 +82,7 @@ def first_decode_step(engine, compiled: bool) -> torch.Tensor:
     if not compiled:
         runner.compiled_decode = None
     try:
-        return runner.execute(seqs, [1, 1], [True, True]).float().softmax(-1)
+        return runner.execute(seqs, [1, 1], [True, True], trees).float().softmax(-1)
     finally:
         runner.compiled_decode = step
 
@@ -138,25 +139,11 @@ def test_compiled_step_over_quantized_weights_at_any_batch_compiles_nothing_afte
 
 
 def first_verify_step(engine, compiled: bool) -> torch.Tensor:
-    """Probabilities [R, V] of a verify step after PROMPTS[:2] (prefilled eagerly but for
-    their last token): the first sequence's token with a branching draft tree below it,
-    the second's with a chain, compiled or eager, in blocks 0-3 of a fresh engine."""
-    from types import SimpleNamespace
+    """first_decode_step's verify step: a branching draft tree below the first sequence's
+    token, a chain below the second's."""
     from runtime.draft_tree import DraftTree
-    runner = engine.runner
-    seqs = [SimpleNamespace(token_ids=engine.tokenize(p), num_computed_tokens=0, block_table=[2 * i, 2 * i + 1])
-            for i, p in enumerate(PROMPTS[:2])]
-    runner.execute(seqs, [len(s.token_ids) - 1 for s in seqs], [True, True])
-    for s in seqs:
-        s.num_computed_tokens = len(s.token_ids) - 1
     trees = [DraftTree([11, 12, 13, 14, 15], [-1, -1, 0, 0, 2]), DraftTree([21, 22, 23], [-1, 0, 1])]
-    step = runner.compiled_decode
-    if not compiled:
-        runner.compiled_decode = None
-    try:
-        return runner.execute(seqs, [1, 1], [True, True], trees).float().softmax(-1)
-    finally:
-        runner.compiled_decode = step
+    return first_decode_step(engine, compiled, trees)
 
 
 def test_compiled_verify_step_matches_eager(compiled_engine):
