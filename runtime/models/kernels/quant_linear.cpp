@@ -253,36 +253,40 @@ void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uin
 // Output block b of W as bf16 into columns [col, col + 16) of tile [K, ld].
 template <bool kVector>
 void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, int64_t col) {
-  const int64_t K = w.K, per_group = w.group / 32;
+  const int64_t per_group = w.group / 32;
   const uint8_t* qb = w.q + b * w.block_bytes();
   const uint16_t* sb = w.scales + b * w.groups() * kBlock;
   const uint16_t* ob = w.offsets ? w.offsets + b * w.groups() * kBlock : nullptr;
   const int64_t quads_per_group = 8 * per_group;
-  for (int64_t t = 0, g = 0; t < K / 4; ++t) {  // quad t: k 4t..4t+3, in group g
-    if (t == (g + 1) * quads_per_group) ++g;
-    // int4: quad t sits in chunk (t % 8) / 2 of k block t / 8, in the low (even t) or high nibbles
-    const uint8_t* chunk = w.bits == 4 ? qb + (t / 8) * 256 + 64 * ((t % 8) / 2) : qb + 64 * t;
-    const int shift = w.bits == 4 ? 4 * (t % 2) : 0;
+  for (int64_t g = 0; g < w.groups(); ++g) {
 #ifdef HS_VNNI
-    if constexpr (kVector) {
-      const __m512i v = _mm512_loadu_si512(chunk);
-      const __m512 s = load_halves(sb + g * kBlock);
-      const __m512 o = ob ? load_halves(ob + g * kBlock) : _mm512_set1_ps(w.bits == 8 ? -128.f : 0.f);
-      const __m512i mask = _mm512_set1_epi32(w.bits == 4 ? 15 : 255);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask));
-        const __m512 value = w.bits == 4 ? _mm512_fmadd_ps(u, s, o) : _mm512_mul_ps(_mm512_add_ps(u, o), s);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + (4 * t + j) * ld + col), bf16x16(value));
-      }
-      continue;
-    }
+    const __m512 s = load_halves(sb + g * kBlock);
+    const __m512 o = ob ? load_halves(ob + g * kBlock) : _mm512_set1_ps(w.bits == 8 ? -128.f : 0.f);
+    const __m512i mask = _mm512_set1_epi32(w.bits == 4 ? 15 : 255);
 #endif
-    for (int j = 0; j < 4; ++j) {
-      for (int i = 0; i < kBlock; ++i) {
-        const float u = static_cast<float>((chunk[4 * i + j] >> shift) & (w.bits == 4 ? 15 : 255));
-        const float s = half_to_float(sb[g * kBlock + i]);
-        const float value = w.bits == 4 ? u * s + (ob ? half_to_float(ob[g * kBlock + i]) : 0.f) : (u - 128.f) * s;
-        tile[(4 * t + j) * ld + col + i] = bf16_bits(value);
+    for (int64_t t = g * quads_per_group; t < (g + 1) * quads_per_group; ++t) {  // quad t: k 4t..4t+3
+      // int4: quad t sits in chunk (t % 8) / 2 of k block t / 8, in the low (even t) or high nibbles
+      const uint8_t* chunk = w.bits == 4 ? qb + (t / 8) * 256 + 64 * ((t % 8) / 2) : qb + 64 * t;
+      const int shift = w.bits == 4 ? 4 * (t % 2) : 0;
+#ifdef HS_VNNI
+      if constexpr (kVector) {
+        const __m512i v = _mm512_loadu_si512(chunk);
+        for (int j = 0; j < 4; ++j) {
+          const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask));
+          const __m512 value = w.bits == 4 ? _mm512_fmadd_ps(u, s, o) : _mm512_mul_ps(_mm512_add_ps(u, o), s);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + (4 * t + j) * ld + col), bf16x16(value));
+        }
+        continue;
+      }
+#endif
+      for (int j = 0; j < 4; ++j) {
+        for (int i = 0; i < kBlock; ++i) {
+          const float u = static_cast<float>((chunk[4 * i + j] >> shift) & (w.bits == 4 ? 15 : 255));
+          const float scale = half_to_float(sb[g * kBlock + i]);
+          const float value =
+              w.bits == 4 ? u * scale + (ob ? half_to_float(ob[g * kBlock + i]) : 0.f) : (u - 128.f) * scale;
+          tile[(4 * t + j) * ld + col + i] = bf16_bits(value);
+        }
       }
     }
   }
