@@ -4,14 +4,17 @@ Both run on the CPU with the same thread count, greedy, every request generating
 --max-tokens tokens (llama.cpp: its benchmark tools never stop early, or --ignore-eos;
 ours: ignore_eos). Rounds interleave the two (llama.cpp, ours, llama.cpp, ours ...) so that
 drifting machine load hits both alike; the table shows medians over --rounds and the ratio
-ours / llama.cpp. Rows, per --model and per --quantization mode of ours:
+ours / llama.cpp; with several --quantization modes, a last column compares each mode with
+the last one listed (e.g. the int4 default against bf16 --enforce-eager, the engine before
+quantized weights). Rows, per --model and per --quantization mode of ours:
 
   - decode, batch 1: llama.cpp `llama-bench -m FILE -p 0 -n N -d P -t T -r 1 -o json`
     (tg rate: N single-token decode steps after a P-token context, P = our prompt's length);
     ours: one prompt, tok/s = (tokens - 1) / (finished - first token) = 1 / TPOT.
-  - decode, batch 8: llama.cpp `llama-batched-bench -m FILE -c C -b 2048 -ub 512 -npp P
-    -ntg N -npl 8 -t T --output-format jsonl` (S_TG: 8 x N tokens over N batched decode
-    steps, P = our prompts' mean length, C = --batched-ctx); ours: 8 prompts in one
+  - decode, batch B for each of --batch-sizes (default 8 and 32): llama.cpp
+    `llama-batched-bench -m FILE -c C -b 2048 -ub 512 -npp P -ntg N -npl B -t T
+    --output-format jsonl` (S_TG: B x N tokens over N batched decode steps, P = our prompts'
+    mean length, C = --batched-ctx); ours: B prompts (PROMPTS, repeated past 8) in one
     generate, tok/s = sum(tokens - 1) / (last finish - first first-token).
   - with --speculative --target T.gguf --draft D.gguf: draft-model speculation, one prompt,
     llama.cpp `llama-speculative-simple -m T -md D -p PROMPT -n N -t T -td T --spec-type
@@ -30,7 +33,7 @@ themselves. The table goes to stdout and, with the machine (git commit, CPU, cor
 benchmarks/results/<date>-bench_peer.md (and .json; --name, --output).
 
     python -m scripts.bench_peer --rounds 3
-    python -m scripts.bench_peer --quantization auto,auto+eager,none+eager --max-tokens 128
+    python -m scripts.bench_peer --quantization auto,none,none+eager --max-tokens 128
     python -m scripts.bench_peer --model /models/qwen2.5-1.5b-q8_0.gguf --threads 16 \\
         --speculative --target /models/qwen2.5-1.5b-q8_0.gguf --draft /models/qwen2.5-0.5b-q8_0.gguf
     python -m scripts.bench_peer --model models/qwen2.5-coder-1.5b-instruct.gguf --skip-batch --lookup
@@ -59,8 +62,7 @@ from runtime.models.quant_linear import linear_kernels
 from scripts.harness import Report, add_results_args, draft_backend, log, markdown_table
 
 DEFAULT_BIN = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/heterospec/llama.cpp")) / "build/bin"
-BATCH = 8
-PROMPTS = [  # BATCH prompts of 7-12 tokens (SmolLM2's tokenizer)
+PROMPTS = [  # 8 prompts of 7-12 tokens (SmolLM2's tokenizer)
     "Explain how a hash table works, step by step.",
     "Write a short story about a lighthouse keeper.",
     "The history of the printing press begins",
@@ -97,14 +99,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians shown (default: %(default)s)")
     p.add_argument("--quantization", default="auto",
                    help="ours: comma list of " + "|".join(QUANTIZATIONS) + ", one row each, an '+eager' suffix "
-                        "adding --enforce-eager (e.g. auto+eager); auto (the default) is always a row "
-                        "(default: %(default)s)")
+                        "adding --enforce-eager (e.g. auto+eager); auto (the default) is always a row, and "
+                        "the last mode listed is the reference of the last column (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="ours: dtype (default: auto, EngineConfig's choice)")
     p.add_argument("--llama-cpp-bin", type=Path, default=DEFAULT_BIN, help="llama.cpp binaries (default: %(default)s)")
     p.add_argument("--batched-ctx", type=int, default=4096,
                    help="llama-batched-bench -c (default: %(default)s, raised to what the row needs)")
     p.add_argument("--batched-extra", default="",
                    help="extra llama-batched-bench flags, e.g. '-kvu' (default: none)")
+    p.add_argument("--batch-sizes", default="8,32",
+                   help="comma list of the batched rows' request counts (default: %(default)s)")
     p.add_argument("--skip-batch", action="store_true", help="only the batch-1 rows")
     p.add_argument("--speculative", action="store_true", help="add the draft-model speculation row (--target, --draft)")
     p.add_argument("--lookup", action="store_true",
@@ -123,8 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--quantization: {', '.join(bad)} not in {', '.join(QUANTIZATIONS)}")
     args.quantization = ["auto"] + [q for q in dict.fromkeys(quants) if q != "auto"]
-    if args.max_tokens < 2 or args.rounds < 1 or args.threads < 1:
-        p.error("--max-tokens must be >= 2, --rounds >= 1 and --threads >= 1")
+    args.reference = quants[-1] if len(args.quantization) > 1 else None
+    try:
+        args.batch_sizes = [] if args.skip_batch else [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batch-sizes: not a comma list of integers: {args.batch_sizes!r}")
+    if args.max_tokens < 2 or args.rounds < 1 or args.threads < 1 or any(b < 2 for b in args.batch_sizes):
+        p.error("--max-tokens must be >= 2, --rounds >= 1, --threads >= 1 and every batch size >= 2")
     if args.speculative and not (args.target and args.draft):
         p.error("--speculative needs --target and --draft")
     return args
@@ -157,11 +166,11 @@ def llama_bench(bin_dir: Path, model: Path, n: int, depth: int, threads: int) ->
     return float(json.loads(proc.stdout)[0]["avg_ts"]), cmd
 
 
-def llama_batched_bench(bin_dir: Path, model: Path, n: int, prompt_len: int, threads: int, ctx: int,
+def llama_batched_bench(bin_dir: Path, model: Path, batch: int, n: int, prompt_len: int, threads: int, ctx: int,
                         extra: list[str]) -> tuple[float, list[str]]:
-    ctx = max(ctx, BATCH * (prompt_len + n))
+    ctx = max(ctx, batch * (prompt_len + n))
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512",
-           "-npp", str(prompt_len), "-ntg", str(n), "-npl", str(BATCH), "-t", str(threads),
+           "-npp", str(prompt_len), "-ntg", str(n), "-npl", str(batch), "-t", str(threads),
            "--output-format", "jsonl", *extra]
     for line in run_tool(cmd).splitlines():
         if line.startswith("{") and '"speed_tg"' in line:
@@ -227,6 +236,7 @@ class Row:
     label: str
     model: str
     quantization: str  # ours: the mode asked for -> what the linear layers hold
+    mode: str = "auto"  # the --quantization mode (with +eager)
     llama: list[float] = field(default_factory=list)
     ours: list[float] = field(default_factory=list)
     note: str = ""
@@ -241,14 +251,23 @@ def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
 
-def table(rows: list[Row]) -> str:
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{b / a:.2f}x" if a and b else "n/a"
+
+
+def table(rows: list[Row], reference: str | None) -> str:
+    """One line per row; with a reference mode, each row's rate over the reference mode's on
+    the same row and model."""
+    ref = {(r.label, r.model): med(r.ours) for r in rows if r.mode == reference}
     lines = []
     for r in rows:
         a, b = med(r.llama), med(r.ours)
-        ratio = f"{b / a:.2f}x" if a and b else "n/a"
-        lines.append((r.label, r.model, fmt(a), fmt(b), ratio, r.quantization))
-    return markdown_table(("row", "model", "llama.cpp tok/s", "ours tok/s", "ours/llama.cpp", "ours: quantization"),
-                          lines, "llrrrl")
+        line = (r.label, r.model, fmt(a), fmt(b), ratio(a, b), r.quantization)
+        lines.append(line + ((ratio(ref.get((r.label, r.model)), b),) if reference else ()))
+    header = ("row", "model", "llama.cpp tok/s", "ours tok/s", "ours/llama.cpp", "ours: quantization")
+    if reference:
+        return markdown_table(header + (f"ours / ours[{reference}]",), lines, "llrrrlr")
+    return markdown_table(header, lines, "llrrrl")
 
 
 # ---------------------------------------------------------------- main
@@ -296,28 +315,30 @@ def main(argv=None) -> None:
         for q in args.quantization:
             t0 = time.perf_counter()
             engines[q] = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+eager"),
-                             enforce_eager=q.endswith("+eager"), max_num_seqs=BATCH, seed=0)
+                             enforce_eager=q.endswith("+eager"), max_num_seqs=max(args.batch_sizes, default=1),
+                             seed=0)
             log(f"loaded {path.name} quantization={q} in {time.perf_counter() - t0:.1f} s: "
                 f"{weights_label(engines[q])}, {engines[q].engine.dtype}")
         tok = engines["auto"].tokenizer
         ids = [tok(p).input_ids for p in PROMPTS]
         single_ids, single_len = ids[0], len(ids[0])
-        batch_len = round(sum(map(len, ids)) / len(ids))
         extra = shlex.split(args.batched_extra)
         shapes = [("decode, batch 1", "llama-bench",
                    lambda p=path, d=single_len: llama_bench(bin_dir, p, n, d, args.threads)[0],
                    lambda llm, i=single_ids: ours_single(llm, i, n),
                    lambda llm, i=single_ids: llm.generate([i], sp, use_tqdm=False))]
-        if not args.skip_batch:
-            shapes.append((f"decode, batch {BATCH}", "llama-batched-bench",
-                           lambda p=path, d=batch_len: llama_batched_bench(bin_dir, p, n, d, args.threads,
-                                                                           args.batched_ctx, extra)[0],
-                           lambda llm, i=ids: ours_batch(llm, i, n),
-                           lambda llm, i=ids: llm.generate(i, sp, use_tqdm=False)))
+        for b in args.batch_sizes:
+            batch_ids = [ids[i % len(ids)] for i in range(b)]
+            batch_len = round(sum(map(len, batch_ids)) / b)
+            shapes.append((f"decode, batch {b}", "llama-batched-bench",
+                           lambda p=path, b=b, d=batch_len: llama_batched_bench(bin_dir, p, b, n, d, args.threads,
+                                                                                args.batched_ctx, extra)[0],
+                           lambda llm, i=batch_ids: ours_batch(llm, i, n),
+                           lambda llm, i=batch_ids: llm.generate(i, sp, use_tqdm=False)))
         for label, tool, run_llama, run_ours, warm in shapes:
             group = []
             for q, llm in engines.items():
-                row = Row(label, path.name, f"{q}: {weights_label(llm)}, {llm.engine.dtype}")
+                row = Row(label, path.name, f"{q}: {weights_label(llm)}, {llm.engine.dtype}", q)
                 warm(llm)
                 group.append((row, llm))
                 rows.append(row)
@@ -360,7 +381,7 @@ def main(argv=None) -> None:
                 llm = LLM(model=str(path), dtype=args.dtype, quantization=q.removesuffix("+eager"),
                           speculator="lookahead", max_num_seqs=1, seed=0, enforce_eager=q.endswith("+eager"))
                 engines.append((Row("prompt lookup, batch 1", path.name,
-                                    f"{q}: {weights_label(llm)}, {llm.engine.dtype}; speculator lookahead"), llm))
+                                    f"{q}: {weights_label(llm)}, {llm.engine.dtype}; speculator lookahead", q), llm))
             speculation_row("prompt lookup, batch 1", "llama-lookup",
                             lambda p=path: llama_lookup(bin_dir, p, LOOKUP_PROMPT, n, args.threads),
                             LOOKUP_PROMPT, engines)
@@ -374,19 +395,20 @@ def main(argv=None) -> None:
                       max_num_seqs=1, seed=0, enforce_eager=q.endswith("+eager"))
             engines.append((Row("draft speculation, batch 1", f"{target.name} + {draft.name}",
                                 f"{q}: {weights_label(llm)}, {llm.engine.dtype}; draft quantization {mode}, "
-                                f"backend {draft_backend(llm.engine)}"), llm))
+                                f"backend {draft_backend(llm.engine)}", q), llm))
         speculation_row("draft speculation, batch 1", "llama-speculative-simple",
                         lambda: llama_speculative(bin_dir, target, draft, PROMPTS[0], n, args.threads),
                         PROMPTS[0], engines)
 
     load_end = os.getloadavg()
-    text = table(rows)
+    text = table(rows, args.reference)
     bb = shlex.join([str(bin_dir / "llama-batched-bench"), "-c", str(args.batched_ctx), "-b", "2048", "-ub", "512",
-                     "-npl", str(BATCH), *shlex.split(args.batched_extra)])
+                     "-npl", "B", *shlex.split(args.batched_extra)])
     details = [
         f"{n} tokens per request, greedy, EOS ignored; {args.threads} threads each; median of {args.rounds} "
         f"interleaved rounds (llama.cpp, ours, ...); prompts of {len(ids[0])} tokens (batch 1) and "
-        f"{min(map(len, ids))}-{max(map(len, ids))} tokens (batch {BATCH}; llama.cpp: {batch_len} random tokens)",
+        f"{min(map(len, ids))}-{max(map(len, ids))} tokens (batched rows, the 8 repeated; llama.cpp: random "
+        f"tokens of their mean length)",
         f"llama.cpp: {bin_dir} (llama-bench -p 0 -n {n} -d P -r 1; {bb} -npp P -ntg {n})",
         "per round, tok/s: " + "; ".join(
             f"{r.label} [{r.quantization.split(':')[0]}] llama.cpp {[round(x, 1) for x in r.llama]} "
@@ -401,7 +423,7 @@ def main(argv=None) -> None:
     report.line()
     for d in details:
         report.line(f"- {d}")
-    report.data["rows"] = [{"row": r.label, "model": r.model, "quantization": r.quantization,
+    report.data["rows"] = [{"row": r.label, "model": r.model, "quantization": r.quantization, "mode": r.mode,
                             "llama_cpp_tok_per_s": med(r.llama), "ours_tok_per_s": med(r.ours),
                             "llama_cpp_rounds": r.llama, "ours_rounds": r.ours, "error": r.error or None}
                            for r in rows]
