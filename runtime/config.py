@@ -69,9 +69,9 @@ class EngineSettings:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         launch = self.tp_launch(environ={})  # checks the flags; torchrun's environment is read at start
-        if launch is not None and self.quantization not in ("auto", "none"):
-            raise ValueError(f"tensor parallelism shards float weights for now: quantization={self.quantization!r} "
-                             f"cannot be split (use auto or none)")
+        if launch is not None and launch.device_type == "cuda" and self.quantization not in ("auto", "none"):
+            raise ValueError(f"tensor parallelism on CUDA shards float weights for now: "
+                             f"quantization={self.quantization!r} cannot be split (use auto or none)")
         registry.check_name(self.speculator)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
@@ -185,8 +185,8 @@ def add_engine_args(parser) -> None:
                                   "also accepted)")
     t.add_argument("--tensor-parallel-size", type=int,
                    help="split the target over this many ranks, on all nodes together (worker processes over "
-                        "torch.distributed); default 1: the target runs in the engine's process. Float weights "
-                        "for now (--quantization auto or none)")
+                        "torch.distributed); default 1: the target runs in the engine's process. On CUDA, float "
+                        "weights for now (--quantization auto or none)")
     t.add_argument("--nnodes", type=int, help="nodes the ranks are spread over (default: 1)")
     t.add_argument("--node-rank", type=int, help="this node's number; node 0 runs the engine, the others only "
                    "their ranks (default: 0)")

@@ -48,7 +48,6 @@ from target_gpu.tp_launch import run_node
 log = logging.getLogger("runtime.engine")
 
 
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
@@ -58,8 +57,9 @@ class LLMEngine:
         if launch is not None and launch.rank != 0:  # another node's ranks, or a torchrun rank > 0
             sys.exit(run_node(launch))
         quantization = config.quantization
-        if launch is not None and quantization == "auto":
-            log.info("tensor parallelism shards float weights: the target loads unquantized (--quantization none)")
+        if launch is not None and launch.device_type == "cuda" and quantization == "auto":
+            log.info("tensor parallelism on CUDA shards float weights: the target loads unquantized "
+                     "(--quantization none)")
             quantization = "none"
         self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
@@ -68,8 +68,10 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = on_a_thread_of_its_own(load_model, config.model, self.dtype,
                                                                                load_device, quantization)
         if launch is not None:
-            self.runner = TPRunner(self.model, config.model, self.dtype, launch, self._size_kv_pool,
-                                   config.block_size, config.attention_backend, self._draft_cores())
+            draft_cores = getattr(config, "draft_cpu_cores", None)  # kept free of the target's ranks
+            self.runner = TPRunner(self.model, config.model, self.dtype, quantization, launch, self._size_kv_pool,
+                                   config.block_size, config.attention_backend,
+                                   parse_core_list(draft_cores) if draft_cores else [])
             num_blocks = self.runner.num_blocks
         else:
             self.runner, num_blocks = self._make_runner()
@@ -96,11 +98,6 @@ class LLMEngine:
         return ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.device,
                            config.attention_backend, graphs,
                            compile_decode=not config.enforce_eager and self.device.type == "cpu"), num_blocks
-
-    def _draft_cores(self) -> list[int]:
-        """The cores named for a CPU draft model (kept free of the target's ranks)."""
-        spec = getattr(self.config, "draft_cpu_cores", None)
-        return parse_core_list(spec) if spec else []
 
     def _size_kv_pool(self, rank_config) -> int:
         """The number of KV blocks the configured memory holds (a block of one rank's KV

@@ -3,12 +3,13 @@ communication time per decode step.
 
 Systems, each an LLMEngine built once: TP=1 eager with float weights (quantization none,
 enforce_eager: the same eager code the ranks run), TP=1 with the defaults (quantization auto,
-the compiled decode step on a CPU: what users run), and TP=N (float weights; eager is
-implied). Every request has a prompt of 32 token ids (distinct per request), is greedy, ignores
+the compiled decode step on a CPU: what users run), TP=N with float weights, and TP=N with
+the defaults (quantized weights where the file has them: on a CPU each rank keeps its shard
+of the int4/int8 layers; eager is implied under TP). Every request has a prompt of 32 token ids (distinct per request), is greedy, ignores
 EOS and generates --max-tokens tokens; decode tok/s = tokens generated after every request's
 first token / wall time of those steps (the prefill step is not timed). Rounds interleave the
 systems (scripts.harness.interleaved); the median round per system and batch size is shown,
-with the ratio TP=N / TP=1 eager from the same run. The TP=N engine pins this process to rank 0's
+with the ratios TP=N float / TP=1 eager and TP=N default / TP=1 default from the same run. The TP=N engine pins this process to rank 0's
 share of the cores; the TP=1 rounds get the process's cores and threads back.
 
 Communication, on rank 0, per decode step: dist.all_reduce / all_gather (the activations) and
@@ -22,6 +23,7 @@ asynchronously: the CPU-side times are launches.
 On two cores TP=2 is not expected to be faster; the point is that the overhead is measured.
 
     python -m scripts.bench_tp
+    python -m scripts.bench_tp --dtype bfloat16    # the quantized kernels (float32 dequantizes them)
     python -m scripts.bench_tp --max-tokens 8 --repeats 1 --batch-sizes 1   # smoke test
     python -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16      # a multi-GPU box
 """
@@ -141,7 +143,8 @@ def main(argv=None) -> None:
     tp_key = f"tp{n}"
     systems = [System("tp1_default", "TP=1 default (quant auto, compiled)", engine={}),
                System("tp1_eager", "TP=1 eager, float", engine={"quantization": "none", "enforce_eager": True}),
-               System(tp_key, f"TP={n} float", engine={"quantization": "none", "tensor_parallel_size": n})]
+               System(tp_key, f"TP={n} float", engine={"quantization": "none", "tensor_parallel_size": n}),
+               System(f"{tp_key}_default", f"TP={n} default (quant auto)", engine={"tensor_parallel_size": n})]
     engines, cores = {}, {}
     try:
         for s in systems:  # TP=1 first: the TP engine pins this process to rank 0's cores
@@ -180,12 +183,13 @@ def main(argv=None) -> None:
             median_round = {k: sorted(v)[len(v) // 2] for k, v in steps_of.items()}  # by step ms
             step_ms = {k: v[0] for k, v in median_round.items()}
             rows.append((b, *(fmt(rates[s.key]) for s in systems), ratio(rates[tp_key], rates["tp1_eager"]),
-                         fmt(step_ms["tp1_eager"]), fmt(step_ms[tp_key])))
+                         ratio(rates[f"{tp_key}_default"], rates["tp1_default"]), fmt(step_ms["tp1_eager"]),
+                         fmt(step_ms[tp_key])))
             report.data.setdefault("decode", []).append(
                 {"batch": b, "tok_per_s": rates, "rounds_tok_per_s": {k: m.rates for k, m in measures.items()},
                  "step_ms": step_ms})
 
-            use(systems[-1])
+            use(systems[2])  # the profiled round: TP=N float
             sizes: list[int] = []
             with ranged_collectives({}, sizes):
                 prof, k, prof_s = decode_round(tp, prompts[:b], args.max_tokens, PROFILED_STEPS)[3]
@@ -207,7 +211,8 @@ def main(argv=None) -> None:
                     f"{cores[tp_key][1]} threads; prompts of 32 tokens, {args.max_tokens} greedy tokens each (EOS "
                     f"ignored); decode phase only; median of {args.repeats} interleaved rounds")
         report.line()
-        report.table(("batch", *(f"{s.label} tok/s" for s in systems), f"TP={n} / TP=1 eager",
+        report.table(("batch", *(f"{s.label} tok/s" for s in systems), f"TP={n} float / TP=1 eager",
+                      f"TP={n} default / TP=1 default",
                       "TP=1 eager step ms", f"TP={n} step ms"), rows)
         report.line()
         report.line(f"TP={n}, rank 0, per decode step: the median timed round (wall time of the dist calls, which "

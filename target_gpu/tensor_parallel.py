@@ -185,9 +185,10 @@ class _Ranks:
 class TPRunner:
     """ModelRunner's interface over the ranks of `launch`; this process is rank 0."""
 
-    def __init__(self, model, model_path: str, dtype: str, launch: TPLaunch,
+    def __init__(self, model, model_path: str, dtype: str, quantization: str, launch: TPLaunch,
                  num_blocks_of, block_size: int, attention_backend: str = "torch", draft_cores: list[int] = ()):
-        """model: the whole model, loaded on the CPU (this rank keeps its shard: on
+        """model: the whole model, loaded on the CPU with `quantization` (every rank loads it
+        so, then keeps its shard: on
         cuda:(local rank) or the CPU, as launch.device_type says); num_blocks_of(per-rank
         ModelConfig) -> the KV blocks every rank allocates, measured with the shard in place;
         draft_cores: cores the draft worker will take (no rank is pinned there)."""
@@ -206,7 +207,7 @@ class TPRunner:
             device = rank_device(launch, launch.local_rank)
             tensors = tensor_group(device, ranks.steps)
             config = shard(model, 0, world, device, tensors)  # before sizing the KV cache: the shard is there
-            setup = RankSetup(model_path, dtype, num_blocks_of(config), block_size, attention_backend)
+            setup = RankSetup(model_path, dtype, quantization, num_blocks_of(config), block_size, attention_backend)
             self._while_workers_live(lambda: dist.broadcast_object_list([setup], src=0))
             self.runner = ModelRunner(model, config, setup.num_blocks, block_size, device, attention_backend)
             self._while_workers_live(dist.barrier)  # every rank loaded

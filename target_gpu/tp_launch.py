@@ -127,6 +127,7 @@ class RankSetup:
 
     model_path: str
     dtype: str
+    quantization: str  # what rank 0 loaded with (runtime.models.loader.QUANTIZATIONS)
     num_blocks: int
     block_size: int
     attention_backend: str
@@ -189,7 +190,7 @@ def run_rank(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | No
         dist.broadcast_object_list(message, src=0)
         setup: RankSetup = message[0]
         from runtime.models.loader import load_model
-        model = load_model(setup.model_path, setup.dtype, torch.device("cpu"), "none")[0]
+        model = load_model(setup.model_path, setup.dtype, torch.device("cpu"), setup.quantization)[0]
         config = shard(model, rank, launch.world_size, device, tensors)
         runner = ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
         dist.barrier()  # loaded

@@ -54,15 +54,19 @@ def cuda_int4_inner_k_tiles(in_features: int) -> int:
     raise ValueError(f"the CUDA int4 kernel needs in_features divisible by 32, got {in_features}")
 
 
-def bf16_scale_error(weight: QuantizedWeight, scales_and_zeros: torch.Tensor) -> float:
-    """Relative RMS error of the weight the int4 kernels compute, (q - 8) s + z with s and z
-    in bf16 (scales_and_zeros [G, N, 2]), against the exact s q + o (float32), on sample rows."""
-    rows = sample_rows(weight.q.shape[0])
-    sz = scales_and_zeros[:, rows].float()
-    scales = sz[..., 0].t().repeat_interleave(weight.group_size, dim=1)  # [R, K]
-    zeros = sz[..., 1].t().repeat_interleave(weight.group_size, dim=1)
-    exact = weight.permute_rows(rows)
-    return relative_rms_error((exact.q.float() - 8) * scales + zeros, exact.dequantize())
+def rounded_scales_error(weight: QuantizedWeight, dtype: torch.dtype, zero_shift: int = 0) -> float:
+    """Relative RMS error that a kernel's rounding of the scales and zeros to dtype adds to the
+    weight, against the exact s q + o (float32), on sample rows. The kernel's zero is
+    o + zero_shift s: PyTorch's int4 kernels compute (q - 8) s + z (zero_shift 8),
+    heterospec_cpu.quant_linear s q + o (zero_shift 0)."""
+    exact = weight.permute_rows(sample_rows(weight.q.shape[0]))
+    scales = exact.scales.to(dtype).float()
+    offsets = exact.offsets
+    if offsets is not None or zero_shift:
+        zeros = (torch.zeros_like(exact.scales) if offsets is None else offsets) + zero_shift * exact.scales
+        offsets = zeros.to(dtype).float() - zero_shift * scales
+    rounded = dataclasses.replace(exact, scales=scales, offsets=offsets)
+    return relative_rms_error(rounded.dequantize(), exact.dequantize())
 
 
 MANY_ROWS_AMX = 32  # more rows than this: the bf16 GEMM regime, on CPUs with AMX
@@ -108,16 +112,6 @@ def can_use_blocked(weight: QuantizedWeight, device: torch.device, dtype: torch.
             and weight.group_size % 32 == 0 and in_half_range and cpu_kernels_available())
 
 
-def half_scale_error(weight: QuantizedWeight) -> float:
-    """Relative RMS error that float16 scales and offsets add to the weight (0 for GGUF's
-    Q4_0/Q4_1, whose block scales are fp16; Q4_K's scales are fp16 x 6-bit products), on
-    sample rows."""
-    exact = weight.permute_rows(sample_rows(weight.q.shape[0]))
-    rounded = dataclasses.replace(exact, scales=exact.scales.half().float(),
-                                  offsets=None if exact.offsets is None else exact.offsets.half().float())
-    return relative_rms_error(rounded.dequantize(), exact.dequantize())
-
-
 class QuantizedLinear(nn.Module):
     """Shared by the int4 and int8 layers: shapes, bias, heterospec_cpu.quant_linear where it
     runs, and a float view of the weight for set-up code that reads one (a head sharing the
@@ -159,7 +153,8 @@ class QuantizedLinear(nn.Module):
             return False
         many_rows = default_many_rows() if many_rows == "auto" else many_rows
         q, scales, offsets = blocked_layout(weight)
-        self.error = (self.error ** 2 + half_scale_error(weight) ** 2) ** 0.5
+        # fp16 scales: exact for GGUF's Q4_0/Q4_1 (fp16 block scales), not for Q4_K (fp16 x 6-bit products)
+        self.error = (self.error ** 2 + rounded_scales_error(weight, torch.float16) ** 2) ** 0.5
         self.register_buffer("block_q", q.to(device))  # [N/16, K*8 | K*16]
         self.register_buffer("block_scales", scales.to(device))  # [N/16, G, 16]
         self.register_buffer("block_offsets", None if offsets is None else offsets.to(device))
@@ -174,6 +169,47 @@ class QuantizedLinear(nn.Module):
         return torch.ops.heterospec_cpu.quant_linear.default(x2.to(torch.bfloat16), self.block_q, self.block_scales,
                                                             self.block_offsets, self.bits, self.group_size,
                                                             self.many_rows, TILE_BYTES)
+
+    # ---- tensor parallelism's split (runtime.models.tensor_parallel), in place --------------
+    def _split_layout(self) -> dict:
+        """Buffer name -> (output rows per entry of dim 0, k -> index along dim 1, or None when
+        dim 1 does not run along the inputs); ValueError where the kernel's layout is opaque."""
+        per_group = None if self.group_size == self.in_features else (lambda k: k // self.group_size)
+        if self.many_rows is not None:  # the blocked layout: 16 outputs an entry, 2 * bits bytes per k
+            return {"block_q": (BLOCK, lambda k: k * 2 * self.bits), "block_scales": (BLOCK, per_group),
+                    "block_offsets": (BLOCK, per_group)}
+        raise ValueError(f"a {self.kernel} layer cannot be split across tensor-parallel ranks")
+
+    def keep_rows(self, ranges: list[tuple[int, int]]) -> None:
+        """Keep the output rows [a, b) of each range, in order (the column-parallel split)."""
+        layout = self._split_layout()
+        unit = max(rows for rows, _ in layout.values())
+        if any(a % unit or b % unit for a, b in ranges):
+            raise ValueError(f"{self.kernel}: output rows {ranges} are not whole blocks of {unit} rows")
+        for name, (rows, _) in layout.items():
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.cat([t[a // rows:b // rows] for a, b in ranges]).contiguous())
+        if self.bias is not None:
+            self.bias = nn.Parameter(torch.cat([self.bias[a:b] for a, b in ranges]), requires_grad=False)
+        self.out_features = sum(b - a for a, b in ranges)
+
+    def keep_columns(self, start: int, end: int) -> None:
+        """Keep the input features [start, end) (the row-parallel split). A weight of one group
+        a row (int8) keeps its scales; else the slice must hold whole groups."""
+        layout = self._split_layout()
+        unit = 32 if self.many_rows is not None else 1  # the blocked kernel's k blocks
+        if self.group_size != self.in_features:
+            unit = max(unit, self.group_size)
+        if start % unit or end % unit:
+            raise ValueError(f"{self.kernel}: input features [{start}, {end}) are not whole groups of {unit}")
+        for name, (_, index) in layout.items():
+            t = getattr(self, name)
+            if t is not None and index is not None:
+                setattr(self, name, t[:, index(start):index(end)].contiguous())
+        if self.group_size == self.in_features:
+            self.group_size = end - start
+        self.in_features = end - start
 
     def _finish(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if self.bias is not None:
@@ -206,7 +242,8 @@ class Int4Linear(QuantizedLinear):
         # [G, N, 2]: per group, every output's scale and zero
         scales_and_zeros = torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))
-        self.error = (self.error ** 2 + bf16_scale_error(weight, scales_and_zeros) ** 2) ** 0.5
+        bf16_error = rounded_scales_error(weight, torch.bfloat16, zero_shift=8)
+        self.error = (self.error ** 2 + bf16_error ** 2) ** 0.5
         q = weight.q.to(device)
         if self.on_cuda:
             packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
@@ -245,6 +282,9 @@ class DequantizedLinear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         return self.dequantized
 
+    def _split_layout(self) -> dict:
+        return {"dequantized": (1, lambda k: k)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.dequantized.to(x.dtype), self.bias)
 
@@ -268,6 +308,13 @@ class Int8Linear(QuantizedLinear):
             self.register_buffer("scales", weight.scales[:, 0].to(device, dtype))  # [N]
             self.has_int8_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
             self.kernel = "int8 aten._weight_int8pack_mm" if self.has_int8_kernel else "int8 dequantizing matmul"
+
+    def _split_layout(self) -> dict:
+        if self.float_layer is not None:
+            raise ValueError("an int8 layer with a float layer beside it cannot be split across ranks")
+        if self.many_rows is not None:
+            return super()._split_layout()
+        return {"weight_int8": (1, lambda k: k), "scales": (1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -13,7 +13,12 @@ Each of N ranks keeps:
     it; the logits' shards are gathered.
 Norms, rotary tables and everything outside the linear layers stay replicated.
 
-`shard_model(model, tp)` does this in place on a loaded float model; `sharded_config`
+Float layers are sliced into new nn.Linear layers; quantized ones (runtime.models.quant_linear)
+keep their rows or input columns in place, in their kernel's layout: whole blocks of 16
+outputs, whole groups (and k blocks of 32) of inputs; a split that cuts one is refused. The
+vocabulary is split in units of 16 token ids for the same reason.
+
+`shard_model(model, tp)` does this in place on a loaded model; `sharded_config`
 says what one rank holds (for sizing its KV cache). A model whose head counts do not
 divide among the ranks is refused before anything changes.
 """
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.models.config import ModelConfig
+from runtime.models.quant_linear import QuantizedLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +76,16 @@ def sharded_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // world_size)
 
 
+VOCAB_UNIT = 16  # token ids: the vocabulary splits in whole blocks of a quantized LM head
+
+
 def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
-    """The token ids [start, end) rank tp.rank holds (the first ranks one more when uneven)."""
-    base, extra = divmod(vocab_size, tp.world_size)
-    start = tp.rank * base + min(tp.rank, extra)
-    return start, start + base + (tp.rank < extra)
+    """The token ids [start, end) rank tp.rank holds: units of VOCAB_UNIT ids shared out
+    evenly (the first ranks one more when uneven), the last rank's cut at vocab_size."""
+    base, extra = divmod(-(-vocab_size // VOCAB_UNIT), tp.world_size)
+    start = (tp.rank * base + min(tp.rank, extra)) * VOCAB_UNIT
+    end = start + (base + (tp.rank < extra)) * VOCAB_UNIT
+    return min(start, vocab_size), min(end, vocab_size)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,6 +114,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.tp = start, tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.shape[0] == 0:  # a vocabulary smaller than VOCAB_UNIT ids a rank leaves some none
+            return self.tp.all_reduce(self.weight.new_zeros(ids.shape[0], self.weight.shape[1]))
         local = ids - self.start  # [T]
         inside = (local >= 0) & (local < self.weight.shape[0])
         x = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [T, H]
@@ -110,21 +123,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The LM head's rows of the token ids [start, end); the logits' shards are gathered."""
+    """The LM head's rows of the token ids [start, end) (local: a linear layer of them); the
+    logits' shards are gathered."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, tp: TPGroup):
+    def __init__(self, local: nn.Module, vocab_size: int, tp: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [end - start, H]
-        self.tp = tp
+        self.local, self.tp = local, tp
         self.sizes = [end - start for start, end in (vocab_range(vocab_size, TPGroup(r, tp.world_size))
                                                      for r in range(tp.world_size))]
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.local.weight  # [end - start, H]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(nn.functional.linear(hidden, self.weight), self.sizes)  # [N, V]
+        return self.tp.all_gather_last(self.local(hidden), self.sizes)  # [N, V]
 
 
-def _rows(linear: nn.Linear, row_ranges: list[tuple[int, int]]) -> nn.Linear:
-    """A new linear layer of the given row ranges of linear (weight and bias)."""
+def _rows(linear: nn.Module, row_ranges: list[tuple[int, int]]) -> nn.Module:
+    """A linear layer of the given row ranges of linear (weight and bias): a new one for a
+    float layer, the same one for a quantized layer."""
+    if isinstance(linear, QuantizedLinear):
+        linear.keep_rows(row_ranges)
+        return linear
     weight = torch.cat([linear.weight.data[a:b] for a, b in row_ranges])
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype).requires_grad_(False)
@@ -134,7 +155,10 @@ def _rows(linear: nn.Linear, row_ranges: list[tuple[int, int]]) -> nn.Linear:
     return out
 
 
-def _columns(linear: nn.Linear, start: int, end: int) -> nn.Linear:
+def _columns(linear: nn.Module, start: int, end: int) -> nn.Module:
+    if isinstance(linear, QuantizedLinear):
+        linear.keep_columns(start, end)
+        return linear
     out = nn.Linear(end - start, linear.weight.shape[0], bias=False, device=linear.weight.device,
                     dtype=linear.weight.dtype).requires_grad_(False)
     out.weight.data.copy_(linear.weight.data[:, start:end])
@@ -168,21 +192,21 @@ def _shard_mlp(mlp, cfg: ModelConfig, tp: TPGroup) -> None:
 
 
 def shard_model(model, tp: TPGroup) -> None:
-    """Keep rank tp.rank's shard of a loaded DecoderModel (float weights), in place."""
+    """Keep rank tp.rank's shard of a loaded DecoderModel, in place."""
     cfg = model.config
     check_divisible(cfg, tp.world_size)
     linears = [model.lm_head] + [m for layer in model.layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(type(m) is not nn.Linear for m in linears):
-        raise ValueError("tensor parallelism takes float row-major weights for now (quantization='none', "
-                         "cpu_weight_prepack=False)")
+    if any(type(m) is not nn.Linear and not isinstance(m, QuantizedLinear) for m in linears):
+        raise ValueError("tensor parallelism takes float row-major or quantized weights, not prepacked ones "
+                         "(cpu_weight_prepack=False)")
     if tp.world_size == 1:
         return
     for layer in model.layers:
         _shard_attention(layer.self_attn, cfg, tp)
         _shard_mlp(layer.mlp, cfg, tp)
     start, end = vocab_range(cfg.vocab_size, tp)
-    head_weight = model.lm_head.weight.data[start:end].clone()
+    head = _rows(model.lm_head, [(start, end)])
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight.data[start:end].clone(), start, tp)
-    model.lm_head = VocabParallelHead(head_weight, cfg.vocab_size, tp)
+    model.lm_head = VocabParallelHead(head, cfg.vocab_size, tp)
     model.config = dataclasses.replace(sharded_config(cfg, tp.world_size), vocab_size=cfg.vocab_size)

@@ -20,6 +20,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.models.loader import DEFAULT_MODEL
+from runtime.models.quant_linear import linear_kernels
 from target_gpu.tp_launch import TPLaunch
 from tests.helpers import free_port, greedy, new_engine, save_tiny_model
 
@@ -45,6 +46,18 @@ def test_tp3_equals_tp1_plain_lookahead_and_draft_model(engine_f32, generate):
     finally:
         engine.close()
     assert not any(w.is_alive() for w in workers)
+
+
+def test_tp3_with_the_files_quantized_weights_equals_tp1(engine_f32, generate):
+    """--quantization auto under TP on a CPU: every rank loads the GGUF's int4/int8 layers and
+    keeps its blocks of them. In float32 they are dequantized at load exactly as ggml does,
+    so the tokens are engine_f32's (whose loader dequantized the same blocks)."""
+    engine = new_engine(tensor_parallel_size=3, quantization="auto")
+    try:
+        assert "int4" in linear_kernels(engine.model)
+        assert generate(engine, PROMPTS[:2], greedy(24)) == generate(engine_f32, PROMPTS[:2], greedy(24))
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen2", "mistral"])
@@ -128,9 +141,12 @@ def test_torchrun_ranks_equal_tp1(tiny_dir, tmp_path, generate):
     assert [line["token_ids"] for line in lines] == expected
 
 
-def test_bad_tensor_parallel_settings_are_refused():
-    with pytest.raises(ValueError, match="int8"):
-        EngineConfig(tensor_parallel_size=2, quantization="int8")
+def test_bad_tensor_parallel_settings_are_refused(monkeypatch):
+    EngineConfig(tensor_parallel_size=2, quantization="int8")  # a CPU target splits quantized weights
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="int8"):  # on CUDA, float weights only for now
+        EngineConfig(tensor_parallel_size=2, quantization="int8", device="cuda")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=">= 1"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="multiple of --nnodes"):
