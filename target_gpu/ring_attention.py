@@ -1,0 +1,149 @@
+"""Context-parallel prefill with ring attention (Liu et al., "Ring Attention with Blockwise
+Transformers", 2023): a long prompt is split across N ranks, each runs the whole model on its
+slice of the tokens, and inside every layer the slices' K/V travel around the ring.
+
+- **Slices.** Zig-zag (`zigzag_positions`): the prompt is cut into 2N chunks as even as
+  possible and rank r takes chunks r and 2N-1-r, so under the causal mask every rank has
+  about the same work (contiguous slices would leave the first rank almost idle). Positions
+  travel with the tokens: rotary embeddings and the causal mask read them, so a slice need
+  not be contiguous.
+- **The ring.** At each layer a rank attends its queries to its own K/V block, and meanwhile
+  sends that block to rank r+1 and receives rank r-1's; N-1 such steps show every rank every
+  block, each transfer overlapped with one block's attention. Blocks are padded to the
+  longest slice (padding sits at a position no query sees), so every message has one shape.
+- **The merge.** Each block gives a partial output and the log-sum-exp of its scores per
+  query and head; partials combine exactly (the online softmax of FlashAttention):
+  lse = logaddexp(lse1, lse2), out = out1 e^(lse1 - lse) + out2 e^(lse2 - lse). A query
+  that sees nothing of a block (lse = -inf) takes nothing from it.
+- **Sliding windows** (Mistral, Qwen2) mask keys at or beyond `window` positions back, as
+  the paged backends do.
+- **Failures.** A rank that dies or stops answering mid-ring makes the others' transfers
+  fail (gloo: the peer's connection closes, or the group's timeout passes); the error is
+  raised as ContextParallelError naming the layer, the ring step and the peers, never a hang.
+
+Scores and the merge run in float32 whatever the model's dtype. `RingAttention` is the
+decoder's AttentionFn for one rank; it keeps the rank's own K/V per layer, which the caller
+writes into the paged cache of the rank that decodes.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+PAD_POSITION = 1 << 40  # the position of a block's padding: after every query, so never seen
+
+
+class ContextParallelError(RuntimeError):
+    """A rank of the ring failed or stopped answering mid-prefill."""
+
+
+def zigzag_positions(length: int, world: int, rank: int) -> torch.Tensor:
+    """The prompt positions rank `rank` of `world` takes: chunks rank and 2*world-1-rank of
+    2*world chunks as even as possible [T_rank] (long, increasing)."""
+    bounds = [round(i * length / (2 * world)) for i in range(2 * world + 1)]
+    first, second = rank, 2 * world - 1 - rank
+    return torch.cat([torch.arange(bounds[first], bounds[first + 1]),
+                      torch.arange(bounds[second], bounds[second + 1])])
+
+
+def block_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries q [T, Hq, D] at q_pos [T] to one block of keys k, v
+    [S, Hkv, D] at k_pos [S] -> (out [T, Hq, D] float32, lse [Hq, T] float32); a query that
+    sees no key of the block gets out 0 and lse -inf."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)  # [S, Hq, D]
+    scores = torch.einsum("thd,shd->hts", q.float(), k) / math.sqrt(q.shape[-1])  # [Hq, T, S]
+    visible = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows that see nothing: -inf - -inf
+    return torch.einsum("hts,shd->thd", probs, v), lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint keys (out [T, H, D], lse [H, T]) -> their union's."""
+    total = torch.logaddexp(lse, block_lse)  # [H, T]
+    old = torch.exp(lse - total).nan_to_num(0.0).t()[..., None]  # [T, H, 1]
+    new = torch.exp(block_lse - total).nan_to_num(0.0).t()[..., None]
+    return out * old + block_out * new, total
+
+
+class RingAttention:
+    """The decoder's AttentionFn for rank `rank` of a ring of `world` (ranks[i]: the global
+    rank of ring member i in `group`): queries, keys and values are this rank's slice, at
+    `positions` [T]; every slice is padded to `block_len` tokens in transit."""
+
+    def __init__(self, positions: torch.Tensor, block_len: int, rank: int, world: int, ranks: list[int],
+                 group=None, window: int | None = None):
+        self.positions, self.block_len, self.window = positions, block_len, window
+        self.rank, self.world, self.ranks, self.group = rank, world, ranks, group
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this slice's (k, v) [T, Hkv, D]
+        self.comm_s = 0.0  # seconds waiting for transfers (what compute did not hide)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kv[layer] = (k, v)
+        t = k.shape[0]
+        block = k.new_zeros(2, self.block_len, *k.shape[1:])  # [2, L, Hkv, D]: K and V, padded
+        block[0, :t], block[1, :t] = k, v
+        block_pos = torch.full((self.block_len,), PAD_POSITION, dtype=torch.long)
+        block_pos[:t] = self.positions
+        out = lse = None
+        for step in range(self.world):
+            pending = self._pass_on(block, block_pos, layer, step) if step < self.world - 1 else None
+            part = block_attention(q, self.positions, block[0], block[1], block_pos, self.window)
+            out, lse = part if out is None else merge(out, lse, *part)
+            if pending is not None:
+                block, block_pos = self._received(pending, layer, step)
+        return out.to(q.dtype)  # [T, Hq, D]
+
+    def _peers(self) -> tuple[int, int]:
+        return self.ranks[(self.rank + 1) % self.world], self.ranks[(self.rank - 1) % self.world]
+
+    def _pass_on(self, block: torch.Tensor, block_pos: torch.Tensor, layer: int, step: int):
+        """Start sending this block to the next rank and receiving the previous rank's."""
+        to, frm = self._peers()
+        incoming, incoming_pos = torch.empty_like(block), torch.empty_like(block_pos)
+        try:
+            requests = [dist.isend(block, to, group=self.group), dist.isend(block_pos, to, group=self.group),
+                        dist.irecv(incoming, frm, group=self.group), dist.irecv(incoming_pos, frm, group=self.group)]
+        except (RuntimeError, dist.DistError) as e:
+            raise self._failure(layer, step, e) from e
+        return requests, incoming, incoming_pos
+
+    def _received(self, pending, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        requests, incoming, incoming_pos = pending
+        start = time.perf_counter()
+        try:
+            for request in requests:
+                request.wait()
+        except (RuntimeError, dist.DistError) as e:
+            raise self._failure(layer, step, e) from e
+        self.comm_s += time.perf_counter() - start
+        return incoming, incoming_pos
+
+    def _failure(self, layer: int, step: int, e: BaseException) -> ContextParallelError:
+        to, frm = self._peers()
+        return ContextParallelError(f"ring attention failed at layer {layer}, ring step {step + 1} of "
+                                    f"{self.world - 1}: rank {self.ranks[self.rank]} could not exchange K/V with "
+                                    f"rank {to} (next) / {frm} (previous): {str(e).splitlines()[0] if str(e) else e!r}")
+
+
+def ring_prefill(model, token_ids: torch.Tensor, rank: int, world: int, ranks: list[int] | None = None,
+                 group=None) -> tuple[torch.Tensor, torch.Tensor, RingAttention]:
+    """This rank's part of a context-parallel prefill of the whole prompt token_ids [L] (every
+    rank has it): (final hidden states of its positions [T, H], the positions [T], the
+    RingAttention holding its K/V per layer)."""
+    length = token_ids.shape[0]
+    positions = zigzag_positions(length, world, rank)
+    block_len = max(len(zigzag_positions(length, world, r)) for r in range(world))
+    window = getattr(model.config, "sliding_window", None)
+    attention = RingAttention(positions, block_len, rank, world, ranks or list(range(world)), group, window)
+    hidden = model(token_ids[positions], positions, attention)  # [T, H]
+    return hidden, positions, attention
