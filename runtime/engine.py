@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -41,6 +42,7 @@ from runtime.stats import EngineStats, StepTiming
 from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
+from target_gpu.context_parallel import CPRunner
 from target_gpu.model_runner import GraphLimits, ModelRunner
 from target_gpu.tensor_parallel import TPRunner
 from target_gpu.tp_launch import run_node
@@ -58,8 +60,7 @@ class LLMEngine:
             sys.exit(run_node(launch))
         quantization = config.quantization
         if launch is not None and launch.device_type == "cuda" and quantization == "auto":
-            log.info("tensor parallelism on CUDA shards float weights: the target loads unquantized "
-                     "(--quantization none)")
+            log.info("tensor parallelism on CUDA takes float weights: the target loads with --quantization none")
             quantization = "none"
         self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
@@ -69,13 +70,13 @@ class LLMEngine:
                                                                                load_device, quantization)
         if launch is not None:
             draft_cores = getattr(config, "draft_cpu_cores", None)  # kept free of the target's ranks
-            self.runner = TPRunner(self.model, config.model, self.dtype, quantization, launch, self._size_kv_pool,
-                                   config.block_size, config.attention_backend,
-                                   parse_core_list(draft_cores) if draft_cores else [])
-            num_blocks = self.runner.num_blocks
+            ring = config.context_parallel_size > 1
+            self.runner = (partial(CPRunner, min_tokens=config.cp_min_tokens) if ring else TPRunner)(
+                self.model, config.model, self.dtype, quantization, launch, self._size_kv_pool, config.block_size,
+                config.attention_backend, parse_core_list(draft_cores) if draft_cores else [])
         else:
-            self.runner, num_blocks = self._make_runner()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.runner = self._make_runner()
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -87,7 +88,7 @@ class LLMEngine:
         self.pool = ProposerPool(config, self.target_info, self.runner)
         self.pool.load()
 
-    def _make_runner(self) -> tuple[ModelRunner, int]:
+    def _make_runner(self) -> ModelRunner:
         config = self.config
         if config.cpu_weight_prepack:
             prepack_linears(self.model)
@@ -97,7 +98,7 @@ class LLMEngine:
             graphs = GraphLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
         return ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.device,
                            config.attention_backend, graphs,
-                           compile_decode=not config.enforce_eager and self.device.type == "cpu"), num_blocks
+                           compile_decode=not config.enforce_eager and self.device.type == "cpu")
 
     def _size_kv_pool(self, rank_config) -> int:
         """The number of KV blocks the configured memory holds (a block of one rank's KV
@@ -143,8 +144,7 @@ class LLMEngine:
         return token_ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """ValueError when the request asks for what this engine cannot do (beyond what
-        SamplingParams checks by itself)."""
+        """ValueError when the request asks for what this engine cannot do (beyond SamplingParams' checks)."""
         if params.speculator not in (None, "none"):
             self.pool.get(params.speculator)
 

@@ -89,7 +89,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = device
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = KVCache(config, num_blocks + 1, block_size, model.dtype, device)
         self.attention = make_attention_backend(attention_backend, self.kv_cache, device, config.sliding_window)
         self.feature_layers: tuple[int, ...] = ()

@@ -15,19 +15,22 @@ slice of the tokens, and inside every layer the slices' K/V travel around the ri
   query and head; partials combine exactly (the online softmax of FlashAttention):
   lse = logaddexp(lse1, lse2), out = out1 e^(lse1 - lse) + out2 e^(lse2 - lse). A query
   that sees nothing of a block (lse = -inf) takes nothing from it.
+- **Earlier context.** A chunk after the first attends to the prompt before it too: its K/V
+  (read from the paged cache by the rank that decodes, and broadcast once per chunk) is one
+  more block every rank attends to, merged like the others.
 - **Sliding windows** (Mistral, Qwen2) mask keys at or beyond `window` positions back, as
   the paged backends do.
 - **Failures.** A rank that dies or stops answering mid-ring makes the others' transfers
   fail (gloo: the peer's connection closes, or the group's timeout passes); the error is
   raised as ContextParallelError naming the layer, the ring step and the peers, never a hang.
 
-Scores and the merge run in float32 whatever the model's dtype. `RingAttention` is the
+Each block's attention runs in the model's dtype (PyTorch's fused CPU kernel); the merge in
+float32. `RingAttention` is the
 decoder's AttentionFn for one rank; it keeps the rank's own K/V per layer, which the caller
 writes into the paged cache of the rank that decodes.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -53,17 +56,20 @@ def block_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of queries q [T, Hq, D] at q_pos [T] to one block of keys k, v
     [S, Hkv, D] at k_pos [S] -> (out [T, Hq, D] float32, lse [Hq, T] float32); a query that
-    sees no key of the block gets out 0 and lse -inf."""
+    sees no key of the block gets out 0 and lse -inf. PyTorch's fused CPU attention (the
+    kernel behind scaled_dot_product_attention, which also returns the log-sum-exp) under a
+    mask from the positions: zig-zag slices are not contiguous, so is_causal cannot say it."""
     rep = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)  # [S, Hq, D]
-    scores = torch.einsum("thd,shd->hts", q.float(), k) / math.sqrt(q.shape[-1])  # [Hq, T, S]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [S, Hq, D]
     visible = k_pos[None, :] <= q_pos[:, None]  # [T, S]
     if window is not None:
         visible &= q_pos[:, None] - k_pos[None, :] < window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows that see nothing: -inf - -inf
-    return torch.einsum("hts,shd->thd", probs, v), lse
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+    heads_first = [t.transpose(0, 1).contiguous()[None] for t in (q, k, v)]  # [1, H, T|S, D]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*heads_first, 0.0, False,
+                                                                          attn_mask=mask[None, None])
+    lse = lse[0].masked_fill(~visible.any(dim=1)[None, :], float("-inf"))  # the kernel gives such rows 0
+    return out[0].transpose(0, 1).float(), lse  # [T, Hq, D], [Hq, T]
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -81,8 +87,10 @@ class RingAttention:
     `positions` [T]; every slice is padded to `block_len` tokens in transit."""
 
     def __init__(self, positions: torch.Tensor, block_len: int, rank: int, world: int, ranks: list[int],
-                 group=None, window: int | None = None):
-        self.positions, self.block_len, self.window = positions, block_len, window
+                 group=None, window: int | None = None, prefix: torch.Tensor | None = None):
+        """prefix: the K/V of the context before the chunk, every rank's alike [layers, 2, P, Hkv, D]
+        (positions 0..P-1), or None."""
+        self.positions, self.block_len, self.window, self.prefix = positions, block_len, window, prefix
         self.rank, self.world, self.ranks, self.group = rank, world, ranks, group
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this slice's (k, v) [T, Hkv, D]
         self.comm_s = 0.0  # seconds waiting for transfers (what compute did not hide)
@@ -95,6 +103,10 @@ class RingAttention:
         block_pos = torch.full((self.block_len,), PAD_POSITION, dtype=torch.long)
         block_pos[:t] = self.positions
         out = lse = None
+        if self.prefix is not None and self.prefix.shape[2]:
+            prefix_k, prefix_v = self.prefix[layer]  # [P, Hkv, D] each
+            out, lse = block_attention(q, self.positions, prefix_k, prefix_v, torch.arange(prefix_k.shape[0]),
+                                       self.window)
         for step in range(self.world):
             pending = self._pass_on(block, block_pos, layer, step) if step < self.world - 1 else None
             part = block_attention(q, self.positions, block[0], block[1], block_pos, self.window)
@@ -136,14 +148,18 @@ class RingAttention:
 
 
 def ring_prefill(model, token_ids: torch.Tensor, rank: int, world: int, ranks: list[int] | None = None,
-                 group=None) -> tuple[torch.Tensor, torch.Tensor, RingAttention]:
-    """This rank's part of a context-parallel prefill of the whole prompt token_ids [L] (every
-    rank has it): (final hidden states of its positions [T, H], the positions [T], the
-    RingAttention holding its K/V per layer)."""
+                 group=None, start: int = 0,
+                 prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, RingAttention]:
+    """This rank's part of a context-parallel prefill of the chunk token_ids [L] (every rank
+    has it) at positions start..start+L-1, after the context whose K/V is `prefix`
+    [layers, 2, start, Hkv, D] (every rank's alike; None when start is 0): (final hidden
+    states of its positions [T, H], the positions [T], the RingAttention holding its K/V per
+    layer). Rank 0 holds the chunk's last position (the last of the 2N chunks)."""
     length = token_ids.shape[0]
-    positions = zigzag_positions(length, world, rank)
+    offsets = zigzag_positions(length, world, rank)  # [T] within the chunk
     block_len = max(len(zigzag_positions(length, world, r)) for r in range(world))
     window = getattr(model.config, "sliding_window", None)
-    attention = RingAttention(positions, block_len, rank, world, ranks or list(range(world)), group, window)
-    hidden = model(token_ids[positions], positions, attention)  # [T, H]
-    return hidden, positions, attention
+    attention = RingAttention(offsets + start, block_len, rank, world, ranks or list(range(world)), group, window,
+                              prefix)
+    hidden = model(token_ids[offsets], offsets + start, attention)  # [T, H]
+    return hidden, offsets + start, attention

@@ -63,8 +63,8 @@ class _Ranks:
     group under one lock (shared with the idle heartbeat); the first failure is kept and
     raised by every later call. Holds no reference to the TPRunner (its finalizer closes it)."""
 
-    def __init__(self, launch: TPLaunch, workers: dict[int, mp.Process]):
-        self.launch, self.workers = launch, workers
+    def __init__(self, launch: TPLaunch, workers: dict[int, mp.Process], kind: str = "tensor-parallel"):
+        self.launch, self.workers, self.kind = launch, workers, kind
         self.steps = None  # the step group, once joined
         self.ready = False  # every rank loaded and waiting for commands
         self.lock = threading.Lock()
@@ -89,7 +89,7 @@ class _Ranks:
             raise
         except Exception as e:
             self.error = TPWorkerError(self._diagnose(e) if is_comm_error(e) else
-                                       f"a tensor-parallel step failed on rank 0 (the ranks are out of step now): "
+                                       f"a {self.kind} step failed on rank 0 (the ranks are out of step now): "
                                        f"{type(e).__name__}: {e}")
             raise self.error from e
 
@@ -133,7 +133,7 @@ class _Ranks:
     def _check_workers(self) -> None:
         for rank, worker in self.workers.items():
             if worker.exitcode is not None:
-                self.error = TPWorkerError(f"tensor-parallel rank {rank} (pid {worker.pid}) "
+                self.error = TPWorkerError(f"{self.kind} rank {rank} (pid {worker.pid}) "
                                            f"{_exit_text(worker.exitcode)}")
                 raise self.error
 
@@ -148,14 +148,14 @@ class _Ranks:
         if exited:
             rank = exited[0][1]
             worker = self.workers[rank]
-            return f"tensor-parallel rank {rank} (pid {worker.pid}) {_exit_text(worker.exitcode)}"
+            return f"{self.kind} rank {rank} (pid {worker.pid}) {_exit_text(worker.exitcode)}"
         stopped = [rank for rank, w in self.workers.items() if _proc_state(w.pid) == "T"]
         others = stopped or [r for r in range(1, self.launch.world_size)]
         what = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
         if "Timed out" in str(error):
-            return (f"tensor-parallel {what}{' (stopped)' if stopped else ''} did not answer within "
+            return (f"{self.kind} {what}{' (stopped)' if stopped else ''} did not answer within "
                     f"{self.launch.timeout_s:g} s (--worker-timeout)")
-        return f"tensor-parallel {what} lost its connection to rank 0: {error}"
+        return f"{self.kind} {what} lost its connection to rank 0: {error}"
 
     def close(self) -> None:
         """Stop the ranks and leave the process group (idempotent; no hang on a failure)."""
@@ -185,6 +185,9 @@ class _Ranks:
 class TPRunner:
     """ModelRunner's interface over the ranks of `launch`; this process is rank 0."""
 
+    kind = "tensor-parallel"
+    pins_rank0 = True  # to its own share of the cores, as every rank
+
     def __init__(self, model, model_path: str, dtype: str, quantization: str, launch: TPLaunch,
                  num_blocks_of, block_size: int, attention_backend: str = "torch", draft_cores: list[int] = ()):
         """model: the whole model, loaded on the CPU with `quantization` (every rank loads it
@@ -194,20 +197,21 @@ class TPRunner:
         draft_cores: cores the draft worker will take (no rank is pinned there)."""
         launch = launch.with_port()
         world = launch.world_size
-        sharded_config(model.config, world)  # a model that does not divide fails before anything starts
+        self._check_split(model, world)  # a model that does not divide fails before anything starts
         cores = node_cores(launch, list(draft_cores)) if launch.device_type == "cpu" else None
-        self._ranks = ranks = _Ranks(launch, spawn(launch, cores))
+        self._ranks = ranks = _Ranks(launch, spawn(launch, cores), self.kind)
         self._finalizer = weakref.finalize(self, ranks.close)
         try:
-            if cores:
+            if cores and self.pins_rank0:
                 ranks.restore_cores = pin_process(cores[0])
             log.info("tensor parallel: %d ranks (%d node%s), waiting for them at %s", world, launch.nnodes,
                      "s" if launch.nnodes > 1 else "", launch.init_method)
             self._while_workers_live(lambda: setattr(ranks, "steps", join(launch, 0, launch.timeout_s)))
             device = rank_device(launch, launch.local_rank)
             tensors = tensor_group(device, ranks.steps)
-            config = shard(model, 0, world, device, tensors)  # before sizing the KV cache: the shard is there
-            setup = RankSetup(model_path, dtype, quantization, num_blocks_of(config), block_size, attention_backend)
+            config = self._keep_rank0s_part(model, world, device, tensors)  # before sizing the KV cache
+            setup = RankSetup(model_path, dtype, quantization, num_blocks_of(config), block_size, attention_backend,
+                              context_parallel=self.kind == "context-parallel")
             self._while_workers_live(lambda: dist.broadcast_object_list([setup], src=0))
             self.runner = ModelRunner(model, config, setup.num_blocks, block_size, device, attention_backend)
             self._while_workers_live(dist.barrier)  # every rank loaded
@@ -220,6 +224,13 @@ class TPRunner:
         log.info("tensor parallel: %d ranks over gloo%s, %d KV blocks each; cores: %s", world,
                  " (tensors over NCCL)" if launch.device_type == "cuda" else "", setup.num_blocks,
                  "; ".join(f"rank {i} {format_core_list(c)}" for i, c in enumerate(cores)) if cores else "not pinned")
+
+    def _check_split(self, model, world: int) -> None:
+        sharded_config(model.config, world)
+
+    def _keep_rank0s_part(self, model, world: int, device, tensors):
+        """Rank 0's shard of the model, on its device; its per-rank config."""
+        return shard(model, 0, world, device, tensors)
 
     def _while_workers_live(self, fn) -> None:
         """Run a blocking join step; fail at once if a spawned worker exits meanwhile."""

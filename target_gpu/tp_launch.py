@@ -131,6 +131,7 @@ class RankSetup:
     num_blocks: int
     block_size: int
     attention_backend: str
+    context_parallel: bool = False  # the ranks hold whole models and run ring chunks (target_gpu.context_parallel)
 
 
 def join(launch: TPLaunch, rank: int, step_timeout_s: float):
@@ -191,8 +192,12 @@ def run_rank(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | No
         setup: RankSetup = message[0]
         from runtime.models.loader import load_model
         model = load_model(setup.model_path, setup.dtype, torch.device("cpu"), setup.quantization)[0]
-        config = shard(model, rank, launch.world_size, device, tensors)
-        runner = ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
+        if setup.context_parallel:
+            from target_gpu.context_parallel import RingWorker
+            runner = RingWorker(model.to(device), rank, launch.world_size, steps)
+        else:
+            config = shard(model, rank, launch.world_size, device, tensors)
+            runner = ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
         dist.barrier()  # loaded
         while True:
             dist.broadcast_object_list(message, src=0, group=steps)

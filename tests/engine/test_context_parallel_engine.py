@@ -1,0 +1,67 @@
+"""The engine with context-parallel prefill (target_gpu.context_parallel): prompt chunks of
+at least --cp-min-tokens go around a ring of N processes, the rest of the step and decoding
+run in rank 0. Greedy in float32 on the default model against the single-process engine:
+
+- CP=2 with chunks of 32 tokens and cp_min_tokens=20: a prompt's first chunk goes around the
+  ring, a second full chunk too (attending to the first, read back from the paged cache),
+  and a short last chunk runs as usual: the three kinds mixed in one prefill, with other
+  prompts' chunks and decoding beside them;
+- a worker killed before a ring chunk: the step fails naming the rank, nothing hangs, the KV
+  blocks come back; close() leaves no worker behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from runtime.config import EngineConfig
+from target_gpu.tensor_parallel import TPWorkerError
+from tests.helpers import greedy, new_engine
+
+LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within fifty years presses were working in "
+        "more than two hundred cities across Europe. The printed book changed how knowledge spread, and within a "
+        "century it had reshaped science, religion and politics. Summarize this in one sentence:")
+PROMPTS = [LONG, LONG[:150] + " What came next?", "The capital of France is", "def fibonacci(n):\n    "]
+CP = dict(context_parallel_size=2, cp_min_tokens=20, max_num_batched_tokens=32)
+
+
+def test_cp2_equals_one_process_with_ring_and_plain_chunks_mixed(engine_f32, generate):
+    engine = new_engine(**CP)
+    workers = list(engine.runner.workers.values())
+    try:
+        lengths = [len(engine.tokenize(p)) for p in PROMPTS]
+        assert 64 < lengths[0] < 84 and 32 < lengths[1] < 52, lengths  # a short last chunk: not a ring one
+        assert generate(engine, PROMPTS, greedy(24)) == generate(engine_f32, PROMPTS, greedy(24))
+        chunks = [(c.start, c.tokens) for c in engine.runner.ring_chunks]
+        assert chunks[:2] == [(0, 32), (32, 32)], chunks  # the second one attends to the first, from the cache
+    finally:
+        engine.close()
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_a_killed_ring_worker_fails_the_step_naming_it():
+    engine = new_engine(**CP)
+    worker = engine.runner.workers[1]
+    try:
+        rid = engine.add_request(LONG, greedy(8))
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=5)
+        start = time.monotonic()
+        with pytest.raises(TPWorkerError, match=r"context-parallel rank 1 \(pid \d+\) was killed by SIGKILL"):
+            engine.step()
+        assert time.monotonic() - start < 5
+        engine.abort(rid)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+    assert not worker.is_alive()
+
+
+def test_context_parallel_settings_are_checked():
+    with pytest.raises(ValueError, match="without tensor parallelism"):
+        EngineConfig(context_parallel_size=2, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        EngineConfig(context_parallel_size=2, cp_min_tokens=0)
