@@ -122,7 +122,7 @@ class _Ranks:
                 with self._failures():
                     self._broadcast("ping", ())
             except TPWorkerError as e:
-                log.error("tensor parallel: %s", e)
+                log.error("%s: %s", self.kind, e)
                 return
             finally:
                 self.lock.release()
@@ -166,7 +166,7 @@ class _Ranks:
                 try:
                     dist.broadcast_object_list([("stop", ())], src=0, group=self.steps)
                 except Exception as e:  # noqa: BLE001 - shutting down: kill what does not stop
-                    log.warning("tensor parallel: stopping the ranks failed: %s", e)
+                    log.warning("%s: stopping the ranks failed: %s", self.kind, e)
                     stopping = False
             self.steps, self.ready = None, False
             for worker in self.workers.values():
@@ -204,7 +204,7 @@ class TPRunner:
         try:
             if cores and self.pins_rank0:
                 ranks.restore_cores = pin_process(cores[0])
-            log.info("tensor parallel: %d ranks (%d node%s), waiting for them at %s", world, launch.nnodes,
+            log.info("%s: %d ranks (%d node%s), waiting for them at %s", self.kind, world, launch.nnodes,
                      "s" if launch.nnodes > 1 else "", launch.init_method)
             self._while_workers_live(lambda: setattr(ranks, "steps", join(launch, 0, launch.timeout_s)))
             device = rank_device(launch, launch.local_rank)
@@ -221,9 +221,11 @@ class TPRunner:
             raise
         ranks.start_heartbeat()
         self.world_size, self.num_blocks, self.config = world, setup.num_blocks, config
-        log.info("tensor parallel: %d ranks over gloo%s, %d KV blocks each; cores: %s", world,
+        log.info("%s: %d ranks over gloo%s, %d KV blocks%s; cores: %s", self.kind, world,
                  " (tensors over NCCL)" if launch.device_type == "cuda" else "", setup.num_blocks,
-                 "; ".join(f"rank {i} {format_core_list(c)}" for i, c in enumerate(cores)) if cores else "not pinned")
+                 " (rank 0's)" if setup.context_parallel else " each",
+                 "; ".join(f"rank {i} {format_core_list(c)}" + ("" if i or self.pins_rank0 else " (not pinned)")
+                           for i, c in enumerate(cores)) if cores else "not pinned")
 
     def _check_split(self, model, world: int) -> None:
         sharded_config(model.config, world)
