@@ -17,6 +17,13 @@ ever writes into a block another can read.
 A block whose last holder lets go keeps its contents and hash: it waits among the
 evictable blocks, still a cache hit, until the allocator needs it. Allocation takes
 blocks that hold nothing first, then evicts the least recently freed cached block.
+
+Sliding windows (`sliding_window`: Mistral, Qwen2). Once a sequence's committed tokens
+move on, a block wholly before the window of every query it will still run is given back
+(`commit`), as any released block (a cached one stays a cache hit), and its entry in the
+block table becomes the null block: the id past the managed ones, which the KV cache holds
+as its scratch block (target_gpu.kv_cache). Attention masks every key there by the window,
+so nothing there is attended to; tables keep their length, so positions still index them.
 """
 from __future__ import annotations
 
@@ -28,12 +35,15 @@ from runtime.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.null_block = num_blocks  # stands for blocks given back outside the window
         self.ref_counts = [0] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and holding nothing worth keeping
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free, still cached; least recently freed first
@@ -82,9 +92,12 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.cache_committed_blocks(seq)
             seq.num_cached_blocks = 0
-        for block_id in reversed(seq.block_table):
+        freed = getattr(seq, "num_freed_blocks", 0)  # the draft worker's and heads' sequences have none
+        for block_id in reversed(seq.block_table[freed:]):
             self._release(block_id)
         seq.block_table.clear()
+        if freed:
+            seq.num_freed_blocks = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks needed for the first `num_tokens` tokens (rollback)."""
@@ -92,6 +105,20 @@ class BlockManager:
         assert not self.enable_prefix_caching or keep >= seq.num_cached_blocks, "rollback into committed blocks"
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
+
+    def commit(self, seq: Sequence) -> None:
+        """After seq's committed tokens grew: name its new full blocks in the prefix cache,
+        and give back the blocks the window has left behind (the module docstring)."""
+        self.cache_committed_blocks(seq)
+        if self.sliding_window is None:
+            return
+        # later queries sit at num_computed_tokens on and see keys after position - window
+        first_key = seq.num_computed_tokens - self.sliding_window + 1
+        num_behind = min(max(0, first_key) // self.block_size, len(seq.block_table))
+        for i in range(seq.num_freed_blocks, num_behind):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = self.null_block
+        seq.num_freed_blocks = max(seq.num_freed_blocks, num_behind)
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat cache slot of token `position` of `seq`."""

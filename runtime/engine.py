@@ -76,7 +76,8 @@ class LLMEngine:
                 config.attention_backend, parse_core_list(draft_cores) if draft_cores else [])
         else:
             self.runner = self._make_runner()
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.model_config.sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -101,8 +102,7 @@ class LLMEngine:
                            compile_decode=not config.enforce_eager and self.device.type == "cpu")
 
     def _size_kv_pool(self, rank_config) -> int:
-        """The number of KV blocks the configured memory holds (a block of one rank's KV
-        heads: rank_config); sets max_model_len."""
+        """The KV blocks the configured memory holds (of one rank's KV heads: rank_config); sets max_model_len."""
         config, mc = self.config, self.model_config
         num_blocks, per_block = num_kv_blocks(rank_config, config.block_size, self.model.dtype,
                                               config.kv_cache_memory, self.device,
@@ -248,14 +248,14 @@ class LLMEngine:
             seq.num_computed_tokens += n
             verdict = verdict_of.get(i)
             if verdict is None:  # a prefill chunk short of the prompt's end
-                self.block_manager.cache_committed_blocks(seq)
+                self.block_manager.commit(seq)
                 continue
             if len(tree):
                 self._accept_path(seq, tree, verdict, src_slots, dst_slots)
             outputs.append(self._emit(seq, verdict, logprobs.get(seq.request_id)))
             if not seq.is_finished:
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
-                self.block_manager.cache_committed_blocks(seq)
+                self.block_manager.commit(seq)
                 if len(tree):
                     self.pool.tell(seq, "on_accepted", seq.request_id, seq.token_ids, len(verdict.accepted_nodes))
         self.runner.commit_accepted(src_slots, dst_slots)

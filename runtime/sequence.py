@@ -129,6 +129,8 @@ class Sequence:
     reads_prefix_cache: bool = True
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # sliding windows: the leading blocks of block_table given back (the null block now stands there)
+    num_freed_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_text: str = ""

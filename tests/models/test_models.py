@@ -237,6 +237,25 @@ def test_mistral_sliding_window_matches_hf_past_the_window(engine_f32, tmp_path,
     assert generate(engine, prompt_ids, greedy(24)) == expected
 
 
+def test_sliding_window_gives_back_the_blocks_it_left_behind(engine_f32, tmp_path, prompt_ids):
+    """Decoding 48 tokens past a window of 8 (blocks of 16), a sequence holds at most the 2
+    blocks its last 8 tokens touch after every step, where its context needs 6: the blocks
+    behind the window go back as it moves (outputs are checked against HF's above)."""
+    from runtime.engine import LLMEngine
+    save_tiny_model("mistral", tmp_path, engine_f32.tokenizer, sliding_window=8)
+    engine = LLMEngine(enforce_eager=True, model=str(tmp_path), dtype="float32", device="cpu",
+                       kv_cache_memory="16MiB")
+    ids = max(prompt_ids, key=len)
+    engine.add_request(ids, greedy(48))
+    peak = 0
+    while engine.has_unfinished:
+        engine.step()
+        peak = max(peak, engine.block_manager.num_used_blocks)
+    bm = engine.block_manager
+    assert peak <= 2 < bm.num_blocks_for(len(ids) + 48)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_windowed_tree_verification_equals_plain(engine_f32, tmp_path, prompt_ids, generate):
     """Trees verified past the window (a wrong first child, then the right chain 3 deep)
     give plain decoding's greedy output, with drafts accepted."""

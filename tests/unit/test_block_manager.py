@@ -179,3 +179,31 @@ def check_pool(bm: BlockManager, live: list[Sequence]) -> None:
     assert bm.num_free_blocks + len(holders) == bm.num_blocks
     if all(count == 1 for count in holders.values()):  # no sharing: no block in two tables
         assert bm.num_free_blocks + sum(len(s.block_table) for s in live) == bm.num_blocks
+
+
+def test_blocks_behind_a_sliding_window_are_given_back_and_stay_cached():
+    """Window 8, blocks of 4: a query at position p sees keys p-7..p, so once 30 tokens are
+    committed (later queries at 30 on) positions 0..22 are behind every later query: blocks
+    0-4 go back, block 5 (20..23) stays for key 23. The null block stands in their place,
+    free() skips it, and the blocks given back stay cached for the next request."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, sliding_window=8)
+    seq = make_seq(31)
+    grow(bm, seq, 30)
+    bm.commit(seq)
+    assert seq.block_table[:5] == [bm.null_block] * 5 and bm.null_block == 16
+    assert bm.null_block not in seq.block_table[5:] and bm.num_used_blocks == 3
+    grow(bm, seq, 1)  # position 30 committed: later queries see 24 on, block 5 goes too
+    bm.commit(seq)
+    assert seq.block_table[5] == bm.null_block and seq.num_freed_blocks == 6 and bm.num_used_blocks == 2
+    bm.free(seq)
+    assert bm.num_free_blocks == 16 and not seq.block_table and seq.num_freed_blocks == 0
+    again = make_seq(31, "again")
+    assert bm.claim_cached_prefix(again) == 28  # every full block of the prompt but the last token's
+
+
+def test_without_a_window_commit_only_caches():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    seq = make_seq(31)
+    grow(bm, seq, 30)
+    bm.commit(seq)
+    assert bm.null_block not in seq.block_table and bm.num_used_blocks == 8 and bm.num_cached_blocks == 7
