@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from runtime.outputs import RequestOutput
 from runtime.logprobs import TokenLogprobs
@@ -213,6 +213,13 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        """OpenAI's rule: only an assistant's message (one that called tools) may come without content."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

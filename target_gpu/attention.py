@@ -141,8 +141,8 @@ class AttentionMetadata:
     def build(cls, seqs: list[SeqAttentionInput], slot_mapping: torch.Tensor, block_size: int,
               num_queries_per_kv: int, device: torch.device, for_kernel: bool = False,
               window: int | None = None) -> "AttentionMetadata":
-        """window: the model's sliding window (the reference backend only: a kernel refuses
-        such a model, make_attention_backend)."""
+        """window: the model's sliding window, for the reference backend's masks (a kernel
+        backend applies it itself: TritonAttentionBackend(window=))."""
         num_tokens = sum(s.query_len for s in seqs)
         if for_kernel:
             return cls(slot_mapping, [], num_tokens, KernelMetadata.build(seqs, block_size, num_queries_per_kv, device))

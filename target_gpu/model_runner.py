@@ -47,20 +47,17 @@ class GraphLimits:
 def make_attention_backend(name: str, kv_cache: KVCache, device: torch.device, window: int | None = None):
     """'auto' | 'torch' | 'triton' -> a backend over kv_cache. auto: Triton on CUDA when it
     can run there, else the PyTorch reference. ValueError when Triton is asked for and
-    cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim, a model with
-    a sliding window: `window`)."""
+    cannot run (no triton, no CUDA and no interpreter, an unsupported head_dim). window: the
+    model's sliding window (None: none)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "triton" and window is not None:
-        raise ValueError(f"the Triton attention backend has no sliding window yet (this model's is {window} "
-                         f"tokens): use --attention-backend torch")
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or window is not None)):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend(kv_cache)
     from target_gpu.triton_attention import TritonAttentionBackend, unsupported_reason  # imports triton
     if name == "auto" and (reason := unsupported_reason(kv_cache)):
         log.warning("attention: the Triton backend cannot run (%s); using the PyTorch reference", reason)
         return TorchAttentionBackend(kv_cache)
-    return TritonAttentionBackend(kv_cache)
+    return TritonAttentionBackend(kv_cache, window)
 
 
 COMPILED_VERIFY_KEYS = 1 << 16  # a verify step's tokens x their longest sequence, at most, for the compiled step

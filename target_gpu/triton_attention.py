@@ -16,7 +16,11 @@ Masking. A new token j of a sequence with context_len = seq_len - query_len sees
 key < context_len, plus the new tokens its mask row allows: i <= j when causal (the
 sequence brings no mask, mask_offset -1), else masks[mask_offset + j * query_len + i],
 the sequence's [query_len, query_len] tree mask over its new tokens stored flat (int8).
-Causal rows stop at their own position; tree rows walk the whole sequence.
+Causal rows stop at their own position; tree rows walk the whole sequence. With a sliding
+window W (Mistral, Qwen2), a row at position p sees keys after p - W only (a tree node's
+position: context_len + its depth, counted from its mask row; the tree's own nodes are left
+to the mask, as in the reference), and programs start at their first row's window, so the
+blocks behind it, given back to the pool (runtime.block_manager), are never loaded.
 
 Key splits ("flash decoding", Dao et al. 2023). A decode at batch 1 has only Hkv
 programs, too few for a GPU of 132 SMs, each walking the whole context. When a step has
@@ -89,7 +93,7 @@ def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr
                      scale_log2, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                      NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,8 +125,22 @@ def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr
     kv_end = context_len + last_row  # causal rows stop at their own position
     if is_tree:
         kv_end = seq_len
-    part_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N  # this split's keys: [lo, hi)
-    lo = split * part_len
+    kv_start = 0
+    q_pos = context_len + j  # [M] each row's position (a causal row's)
+    if WINDOW > 0:  # a row at position p sees keys after p - WINDOW; a tree node sits at its depth
+        first_pos = context_len + first_row
+        if is_tree:
+            first_pos = context_len
+            ancestors = tl.zeros([BLOCK_M], tl.int32)  # the node and its ancestors: its mask row's count
+            for c0 in range(0, query_len, BLOCK_N):
+                c = c0 + tl.arange(0, BLOCK_N)
+                row_mask = tl.load(masks_ptr + mask_offset + j[:, None] * query_len + c[None, :],
+                                   mask=tree_row[:, None] & (c < query_len)[None, :], other=0)
+                ancestors += tl.sum((row_mask != 0).to(tl.int32), 1)
+            q_pos = context_len + ancestors - 1
+        kv_start = tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    part_len = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N  # this split's keys: [lo, hi)
+    lo = kv_start + split * part_len
     hi = tl.minimum(lo + part_len, kv_end)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [N] key positions
@@ -139,7 +157,10 @@ def _paged_attention(out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr
         tree_ok = tl.load(masks_ptr + mask_offset + j[:, None] * query_len + i[None, :],
                           mask=tree_row[:, None] & new & n_ok[None, :], other=0) != 0
         sees_new = tl.where(is_tree, tree_ok, i[None, :] <= j[:, None])
-        s = tl.where(n_ok[None, :] & (~new | sees_new), s, -1.0e30)
+        visible = n_ok[None, :] & (~new | sees_new)
+        if WINDOW > 0:  # a tree's own nodes are left to its mask
+            visible &= (n[None, :] > q_pos[:, None] - WINDOW) | (new & tree_row[:, None])
+        s = tl.where(visible, s, -1.0e30)
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # [M]
@@ -203,11 +224,12 @@ class TritonAttentionBackend:
     name = "triton"
     needs_kernel_metadata = True
 
-    def __init__(self, kv_cache: KVCache):
+    def __init__(self, kv_cache: KVCache, window: int | None = None):
+        """window: the model's sliding window (None: none)."""
         reason = unsupported_reason(kv_cache)
         if reason:
             raise ValueError(f"attention backend 'triton' cannot run: {reason} (use --attention-backend torch)")
-        self.kv_cache = kv_cache
+        self.kv_cache, self.window = kv_cache, window
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -235,7 +257,7 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), km.block_tables.stride(0),
             NUM_KV_HEADS=num_kv_heads, G=q.shape[1] // num_kv_heads, BLOCK_M=km.rows_per_program, BLOCK_N=BLOCK_N,
             HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits, WINDOW=self.window or 0)
         if splits > 1:
             merge_kernel[(num_tokens, q.shape[1])](
                 out, part, lse, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=q.shape[1], NUM_SPLITS=splits,

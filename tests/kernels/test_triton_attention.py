@@ -226,6 +226,46 @@ def test_key_splits(num_splits):
     check_step(query_lens, context_lens, (6, 2), masks=masks, block_size=16, seed=8, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("window", [5, 16])
+def test_sliding_window_matches_the_reference(window, num_splits):
+    """Decodes, trees (the engine's [Q, Q] masks over the new tokens) and prefill chunks past a
+    window, in one step, against the reference backend's window masks (checked against HF in
+    tests/models/test_models.py). In the kernel's pool, the blocks before the key tile of the
+    earliest window of a sequence hold NaN: a program that loaded one would show it."""
+    heads, block_size, head_dim = (4, 2), 4, 16
+    rng, gen = random.Random(23), torch.Generator().manual_seed(9)
+    query_lens, context_lens = [1, 5, 30, 1, 4], [40, 21, 3, 7, 50]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    masks = [None, tree_mask(21, 5, rng)[:, 21:], None, None, tree_mask(50, 4, rng)[:, 50:]]
+    tables, num_blocks = scattered_tables(seq_lens, block_size, gen)
+    cfg = ModelConfig(architecture="mistral", vocab_size=8, hidden_size=heads[0] * head_dim, intermediate_size=8,
+                      num_layers=2, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
+    caches = [KVCache(cfg, num_blocks, block_size, torch.float32, DEVICE) for _ in range(2)]
+    for i, pool in enumerate(caches[0].k + caches[0].v):
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+        (caches[1].k + caches[1].v)[i].copy_(pool)
+        for c, table in zip(context_lens, tables):  # no row's window reaches the tile of keys they are in
+            skipped = max(0, c - window + 1) // triton_attention.BLOCK_N * triton_attention.BLOCK_N
+            for b in range(skipped // block_size):
+                pool[table[b]] = float("nan")
+    inputs, slots, start = [], [], 0
+    for i, (c, n) in enumerate(zip(context_lens, query_lens)):
+        inputs.append(SeqAttentionInput(start, n, c + n, tables[i], masks[i]))
+        slots.extend(tables[i][p // block_size] * block_size + p % block_size for p in range(c, c + n))
+        start += n
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    qkv = torch.randn(start, heads[0] + 2 * heads[1], head_dim, generator=gen).to(DEVICE)
+    q, k, v = qkv.split([heads[0], heads[1], heads[1]], dim=1)
+    meta = AttentionMetadata.build(inputs, slot_mapping, block_size, 2, DEVICE, for_kernel=True)
+    meta.kernel.num_splits = num_splits
+    out = TritonAttentionBackend(caches[0], window=window).forward(1, q, k, v, meta)
+    ref_meta = AttentionMetadata.build(inputs, slot_mapping, block_size, 2, DEVICE, window=window)
+    ref = TorchAttentionBackend(caches[1]).forward(1, q, k, v, ref_meta)
+    assert caches[0].k[1].isnan().any()  # some blocks are skipped at either window
+    assert rel_error(out.cpu(), ref.cpu().double()) < REL_TOLERANCE[torch.float32]
+
+
 def test_key_split_choice():
     """Splits only while a step has too few programs for the GPU and its keys are many."""
     choose, target = triton_attention.num_key_splits, triton_attention.TARGET_PROGRAMS
@@ -434,14 +474,16 @@ COMPILE = """if True:
 
 def kernel_cases(dtype: str, g: int, rows: int, head_dim: int, block_size: int) -> list[tuple[str, dict, dict]]:
     """(kernel, signature, constants) of the kernels as the backend launches them: attention
-    with one key split and with five (then the merge too), and the KV write."""
+    with one key split and with five (then the merge too; and a sliding window), and the KV write."""
     attention = {"NUM_KV_HEADS": 2, "G": g, "BLOCK_M": rows, "BLOCK_N": triton_attention.BLOCK_N,
                  "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     merge = {"NUM_HEADS": 2 * g, "NUM_SPLITS": 5, "SPLITS_P2": 8, "HEAD_DIM": head_dim}
     write_kv = {"NUM_KV_HEADS": 3, "HEADS_P2": 4, "HEAD_DIM": head_dim}
     cases = []
-    for name, signature, constants in [("_paged_attention", ATTENTION_SIGNATURE, {**attention, "NUM_SPLITS": 1}),
-                                       ("_paged_attention", SPLIT_ATTENTION_SIGNATURE, {**attention, "NUM_SPLITS": 5}),
+    for name, signature, constants in [("_paged_attention", ATTENTION_SIGNATURE,
+                                        {**attention, "NUM_SPLITS": 1, "WINDOW": 0}),
+                                       ("_paged_attention", SPLIT_ATTENTION_SIGNATURE,
+                                        {**attention, "NUM_SPLITS": 5, "WINDOW": 4096}),
                                        ("_merge_splits", MERGE_SIGNATURE, merge),
                                        ("_write_kv", WRITE_KV_SIGNATURE, write_kv)]:
         signature = {arg: ty.format(dtype=dtype) for arg, ty in signature.items()}

@@ -305,7 +305,9 @@ def test_malformed_json(served):
     ("/v1/completions", {"prompt": PROMPT, "speculation": {"method": "ngram", "tokens": 4}}, "speculation"),
     ("/v1/completions", {"prompt": PROMPT, "speculation": "sometimes"}, "speculation"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),  # OpenAI: 400, content is required
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, *CHAT]}, "messages"),
     ("/v1/completions", [PROMPT], "body"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
