@@ -96,6 +96,7 @@ class CPRunner(TPRunner):
         return (n >= self.min_tokens and not (tree is not None and len(tree)) and return_hidden != "all"
                 and not self.runner.feature_layers and seq.num_computed_tokens + n <= seq.num_prompt_tokens)
 
+    @torch.inference_mode()
     def execute(self, seqs, num_new_tokens, needs_logits, trees=None, return_hidden=False):
         trees = trees if trees is not None else [None] * len(seqs)
         ring = [self._rings(*args, return_hidden) for args in zip(seqs, num_new_tokens, trees)]
