@@ -25,9 +25,8 @@ slice of the tokens, and inside every layer the slices' K/V travel around the ri
   raised as ContextParallelError naming the layer, the ring step and the peers, never a hang.
 
 Each block's attention runs in the model's dtype (PyTorch's fused CPU kernel); the merge in
-float32. `RingAttention` is the
-decoder's AttentionFn for one rank; it keeps the rank's own K/V per layer, which the caller
-writes into the paged cache of the rank that decodes.
+float32. `RingAttention` is the decoder's AttentionFn for one rank; it keeps the rank's own
+K/V per layer, which the caller writes into the paged cache of the rank that decodes.
 """
 from __future__ import annotations
 
