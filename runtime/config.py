@@ -51,7 +51,7 @@ class EngineSettings:
     master_port: int | None = None  # None: a free port on one node, 29500 across nodes
     worker_timeout: float = 60.0  # seconds a rank may take to answer before the engine fails
     # context parallelism (target_gpu.context_parallel): long prompt chunks prefilled by ranks with ring attention
-    context_parallel_size: int = 1  # ranks, this one included; 1 = none
+    context_parallel_size: int = 1  # rings of ranks, each of tensor_parallel_size ranks; 1 = none
     cp_min_tokens: int = 2048  # prompt chunks at least this long go around the ring
 
     def __post_init__(self) -> None:
@@ -74,11 +74,10 @@ class EngineSettings:
         if self.context_parallel_size < 1 or self.cp_min_tokens < 1:
             raise ValueError(f"context_parallel_size and cp_min_tokens must be >= 1, got "
                              f"{self.context_parallel_size} and {self.cp_min_tokens}")
-        if self.context_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1
-                                               or self.resolved_device().type != "cpu"):
-            raise ValueError("context parallelism runs on one node's CPU without tensor parallelism for now "
-                             f"(--context-parallel-size {self.context_parallel_size} with --tensor-parallel-size "
-                             f"{self.tensor_parallel_size}, --nnodes {self.nnodes}, device {self.device})")
+        if self.context_parallel_size > 1 and (self.nnodes > 1 or self.resolved_device().type != "cpu"):
+            raise ValueError("context parallelism runs on one node's CPU for now "
+                             f"(--context-parallel-size {self.context_parallel_size} with --nnodes {self.nnodes}, "
+                             f"device {self.device})")
         launch = self.tp_launch(environ={})  # checks the flags; torchrun's environment is read at start
         if launch is not None and launch.device_type == "cuda" and self.quantization not in ("auto", "none"):
             raise ValueError(f"tensor parallelism on CUDA shards float weights for now: "
@@ -93,8 +92,9 @@ class EngineSettings:
     def tp_launch(self, environ=None) -> TPLaunch | None:
         """Where the target's ranks run (None: one rank, in this process)."""
         import os
-        if self.context_parallel_size > 1:
-            return TPLaunch(self.context_parallel_size, timeout_s=self.worker_timeout)
+        if self.context_parallel_size > 1:  # a mesh of C x T ranks
+            return TPLaunch(self.context_parallel_size * self.tensor_parallel_size, timeout_s=self.worker_timeout,
+                            context_parallel_size=self.context_parallel_size)
         return TPLaunch.of(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
                            self.master_port, self.worker_timeout, lambda: self.resolved_device().type,
                            os.environ if environ is None else environ)
@@ -210,9 +210,9 @@ def add_engine_args(parser) -> None:
                    "fails, naming it (default: 60)")
     c = parser.add_argument_group("context parallelism")
     c.add_argument("--context-parallel-size", type=int,
-                   help="prefill long prompt chunks over this many ranks (worker processes holding a copy of the "
-                        "target) with ring attention; decoding stays in the engine's process; one node's CPU, "
-                        "without tensor parallelism, for now (default: 1, none)")
+                   help="prefill long prompt chunks over this many rings of ranks (worker processes; with "
+                        "--tensor-parallel-size T, T ranks each, T x this many in all) with ring attention; "
+                        "decoding stays in the first T ranks; one node's CPU for now (default: 1, none)")
     c.add_argument("--cp-min-tokens", type=int, help="prompt chunks at least this long go around the ring "
                    "(default: 2048)")
     g = parser.add_argument_group("speculative decoding")

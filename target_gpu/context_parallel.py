@@ -1,23 +1,28 @@
-"""Context parallelism: long prompt chunks prefilled by N ranks at once with ring attention
-(target_gpu.ring_attention), decoding as usual in rank 0.
+"""Context parallelism: long prompt chunks prefilled by C ranks at once with ring attention
+(target_gpu.ring_attention), decoding as usual in the ranks of the first one.
 
-Rank 0 is the engine's process: it holds the model and the paged KV cache, and runs every
-step as a ModelRunner would. Ranks 1..N-1 (worker processes, started and watched as the
-tensor-parallel ranks are: target_gpu.tp_launch, target_gpu.tensor_parallel) hold a whole
-replica of the model and no KV cache. When a step holds a prompt chunk of at least
-`min_tokens` tokens (--cp-min-tokens) with no draft tree, rank 0 sends the chunk to every
-rank and:
-  1. broadcasts the K/V of the prompt before the chunk, read from its paged cache (a chunk
-     after the first attends to it);
-  2. runs its zig-zag slice of the chunk while the other ranks run theirs, K/V passing around
-     the ring inside every layer;
-  3. gathers every rank's K/V of its slice and writes them into the sequence's slots, so the
-     next chunks and decoding read the cache as if rank 0 had run the chunk alone;
-  4. takes the logits of the chunk's last token, which its own slice holds.
+The ranks form a mesh of C context-parallel x T tensor-parallel ranks (target_gpu.tp_launch,
+RankGroups: rank = c * T + t). Every rank holds its tensor-parallel shard t of the model (the
+whole model when T = 1). Ranks 0..T-1 (c = 0) hold the paged KV cache, each its shard of the
+KV heads, and run every step as the tensor-parallel ranks do (target_gpu.tensor_parallel);
+rank 0 is the engine's process. The other ranks (worker processes, started and watched as
+the tensor-parallel ranks are) hold no KV cache: they only join ring chunks.
+
+When a step holds a prompt chunk of at least `min_tokens` tokens (--cp-min-tokens) with no
+draft tree, rank 0 sends the chunk to every rank, and each ring (the C ranks of one t, on
+that shard's heads) runs it:
+  1. the ring's first rank broadcasts the K/V of the prompt before the chunk that the chunk
+     still sees, read from its paged cache (a chunk after the first attends to it);
+  2. every rank runs its zig-zag slice of the chunk, K/V passing around the ring inside
+     every layer (and the shards' all-reduces within each c, as always);
+  3. the ring's first rank gathers every rank's K/V of its slice and writes them into the
+     sequence's slots, so the next chunks and decoding read the cache as if it had run the
+     chunk alone;
+  4. ranks 0..T-1 take the logits of the chunk's last token, which their slices hold.
 The other sequences of the step run as usual, in the same step. Chunks that need every
 token's hidden states (EAGLE's features) run as usual too.
 
-Limits: one node, on a CPU (gloo), and not together with tensor parallelism yet.
+Limits: one node, on a CPU (gloo). Between ring chunks ranks c > 0 idle.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from target_gpu.ring_attention import ring_prefill, zigzag_positions
+from target_gpu.ring_attention import ring_prefill, window_start
 from target_gpu.tensor_parallel import TPRunner
+from target_gpu.tp_launch import RankGroups, TPLaunch
 
 log = logging.getLogger(__name__)
 
@@ -54,43 +60,110 @@ def _stacked_kv(attention, num_layers: int, block_len: int) -> torch.Tensor:
     return out
 
 
-class RingWorker:
-    """A worker rank's part: its slice of each ring chunk; its K/V then go to rank 0."""
+class RingMember:
+    """One rank's part of every ring chunk (the module docstring). `runner`: the ModelRunner
+    whose KV cache the ring's first rank reads the earlier context from and writes the chunk
+    into; None on the other ranks."""
 
-    def __init__(self, model, rank: int, world: int, group):
-        self.model, self.rank, self.world, self.group = model, rank, world, group
+    def __init__(self, model, config, groups: RankGroups, ring_size: int, runner=None):
+        """config: this rank's shapes (its shard's heads)."""
+        self.model, self.config, self.groups, self.ring_size, self.runner = model, config, groups, ring_size, runner
+        self.window = config.sliding_window
+        self.root = groups.ring_ranks[0]
+
+    def chunk(self, token_ids: list[int], start: int, block_table: list[int]) -> tuple[torch.Tensor, float, float]:
+        """Prefill the chunk token_ids at positions start.. with the ring: (final hidden states
+        of this rank's slice [T, H], seconds waiting in the ring, seconds in the context's
+        broadcast and the K/V gather). The ring's first rank's slice ends with the chunk's last token."""
+        n, ring = len(token_ids), self.groups.ring
+        seen = window_start(start, self.window)
+        slots = self._slots(block_table, start + n) if self.runner is not None else None
+        exchange = time.perf_counter()
+        prefix = self._context(slots[seen:start] if slots is not None else None, start - seen) if start else None
+        exchange = time.perf_counter() - exchange
+        hidden, slices, attention = ring_prefill(self.model, torch.tensor(token_ids), self.groups.cp_index,
+                                                 self.ring_size, list(self.groups.ring_ranks), ring, start, prefix)
+        mine = _stacked_kv(attention, self.config.num_layers, attention.block_len)
+        gathered = [torch.empty_like(mine) for _ in range(self.ring_size)] if slots is not None else None
+        gather_start = time.perf_counter()
+        dist.gather(mine, gathered, dst=self.root, group=ring)
+        exchange += time.perf_counter() - gather_start
+        if slots is not None:
+            self._write(gathered, slots[start + torch.cat(slices)], [len(s) for s in slices])
+        return hidden, attention.comm_s, exchange
+
+    def _slots(self, block_table: list[int], length: int) -> torch.Tensor:
+        """The cache slots of positions 0..length-1 [length]."""
+        bs = self.runner.block_size
+        positions = torch.arange(length)
+        return torch.tensor(block_table, dtype=torch.long)[positions // bs] * bs + positions % bs
+
+    def _context(self, slots: torch.Tensor | None, length: int) -> torch.Tensor:
+        """The K/V of the context the chunk sees [layers, 2, length, Hkv, D], read from the
+        cache at `slots` by the ring's first rank and broadcast to the others."""
+        if slots is not None:
+            cache = self.runner.kv_cache
+            prefix = torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
+                                  for k, v in zip(cache.k, cache.v)])
+        else:
+            cfg = self.config
+            prefix = torch.empty(cfg.num_layers, 2, length, cfg.num_kv_heads, cfg.head_dim, dtype=self.model.dtype)
+        dist.broadcast(prefix, self.root, group=self.groups.ring)
+        return prefix
+
+    def _write(self, gathered: list[torch.Tensor], slots: torch.Tensor, sizes: list[int]) -> None:
+        """Every rank's K/V (gathered[r] [layers, 2, block_len, Hkv, D], its first sizes[r]
+        rows real) into the cache at slots [sum(sizes)], in rank order."""
+        kv = torch.cat([part[:, :, :size] for part, size in zip(gathered, sizes)], dim=2)  # [layers, 2, L, Hkv, D]
+        cache = self.runner.kv_cache
+        for layer in range(len(cache.k)):
+            cache.k[layer].flatten(0, 1)[slots] = kv[layer, 0]
+            cache.v[layer].flatten(0, 1)[slots] = kv[layer, 1]
+
+
+class RingWorker:
+    """A worker rank's commands: ring chunks, and the steps the ranks that decode run
+    (`runner`, a ModelRunner; None on ranks c > 0, which let those pass)."""
+
+    def __init__(self, member: RingMember, runner=None):
+        self.member, self.runner = member, runner
 
     @torch.inference_mode()
-    def ring(self, token_ids: list[int], start: int) -> None:
-        cfg = self.model.config
-        prefix = None
-        if start:
-            prefix = torch.empty(cfg.num_layers, 2, start, cfg.num_kv_heads, cfg.head_dim, dtype=self.model.dtype)
-            dist.broadcast(prefix, 0, group=self.group)
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        _, _, attention = ring_prefill(self.model, ids, self.rank, self.world, group=self.group, start=start,
-                                       prefix=prefix)
-        dist.gather(_stacked_kv(attention, cfg.num_layers, attention.block_len), None, dst=0, group=self.group)
+    def ring(self, token_ids: list[int], start: int, block_table: list[int], needs_logits: bool) -> None:
+        hidden = self.member.chunk(token_ids, start, block_table)[0]
+        if needs_logits and self.runner is not None:  # the vocab-parallel head's gather, with rank 0
+            self.member.model.compute_logits(hidden[-1:])
+
+    def run(self, step, return_hidden) -> None:
+        if self.runner is not None:
+            self.runner.run(step, return_hidden)
+
+    def commit_accepted(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        if self.runner is not None:
+            self.runner.commit_accepted(src_slots, dst_slots)
+
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        if self.runner is not None:
+            self.runner.set_feature_layers(layers)
 
 
 class CPRunner(TPRunner):
-    """ModelRunner's interface over N context-parallel ranks; this process is rank 0 and
-    holds the whole model and the KV cache (the module docstring)."""
+    """ModelRunner's interface over a mesh of C x T ranks; this process is rank 0 and holds
+    shard 0 of the model and of the KV cache (the module docstring)."""
 
     kind = "context-parallel"
-    pins_rank0 = False  # rank 0 decodes alone between ring chunks: it keeps every core
 
-    def __init__(self, *args, min_tokens: int = 2048, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, model_path: str, dtype: str, quantization: str, launch: TPLaunch, *args,
+                 min_tokens: int = 2048, **kwargs):
+        super().__init__(model, model_path, dtype, quantization, launch, *args, **kwargs)
         self.min_tokens = min_tokens
+        self.member = RingMember(self.runner.model, self.config, self.groups, launch.context_parallel_size, self.runner)
         self.ring_chunks: list[RingChunk] = []
 
-    def _check_split(self, model, world: int) -> None:
-        """Every rank holds the whole model: any model goes."""
-
-    def _keep_rank0s_part(self, model, world: int, device, tensors):
-        model.to(device)
-        return model.config
+    def _pins_rank0(self, launch: TPLaunch) -> bool:
+        """Rank 0 decoding alone between ring chunks keeps every core; with T > 1 it decodes
+        with its tensor-parallel peers, and takes its share."""
+        return launch.tensor_parallel_size > 1
 
     def _rings(self, seq, n: int, tree, return_hidden) -> bool:
         return (n >= self.min_tokens and not (tree is not None and len(tree)) and return_hidden != "all"
@@ -100,18 +173,18 @@ class CPRunner(TPRunner):
     def execute(self, seqs, num_new_tokens, needs_logits, trees=None, return_hidden=False):
         trees = trees if trees is not None else [None] * len(seqs)
         ring = [self._rings(*args, return_hidden) for args in zip(seqs, num_new_tokens, trees)]
-        if not any(ring):  # the other ranks have no KV cache: rank 0 runs the step alone
-            return self.runner.execute(seqs, num_new_tokens, needs_logits, trees, return_hidden)
+        if not any(ring):
+            return self._decode_ranks_execute(seqs, num_new_tokens, needs_logits, trees, return_hidden)
         rest = [i for i, r in enumerate(ring) if not r]
-        outputs = self.runner.execute(*([x[i] for i in rest] for x in (seqs, num_new_tokens, needs_logits, trees)),
-                                      return_hidden=return_hidden) if rest else None
+        outputs = self._decode_ranks_execute(*([x[i] for i in rest] for x in (seqs, num_new_tokens, needs_logits,
+                                                                               trees)), return_hidden) if rest else None
         logits, hidden = (outputs if return_hidden else (outputs, None)) if outputs is not None else (None, None)
         parts_logits, parts_hidden, row = [], [], 0
         for i, seq in enumerate(seqs):
             if ring[i]:
-                last = self._ring_chunk(seq, num_new_tokens[i])  # [1, H]
+                chunk_logits, last = self._ring_chunk(seq, num_new_tokens[i], needs_logits[i])  # [1, V], [1, H]
                 if needs_logits[i]:
-                    parts_logits.append(self.runner.model.compute_logits(last))
+                    parts_logits.append(chunk_logits)
                     parts_hidden.append(last)
             elif needs_logits[i]:
                 rows = 1 + (len(trees[i]) if trees[i] is not None else 0)
@@ -124,42 +197,35 @@ class CPRunner(TPRunner):
             return logits
         return logits, (torch.cat(parts_hidden) if parts_hidden else torch.empty(0, model.config.hidden_size))
 
+    def _decode_ranks_execute(self, seqs, num_new_tokens, needs_logits, trees, return_hidden):
+        """A step of the ranks that hold the KV cache: rank 0 alone (T = 1), or with its peers."""
+        if self.tp_size == 1:
+            return self.runner.execute(seqs, num_new_tokens, needs_logits, trees, return_hidden)
+        return super().execute(seqs, num_new_tokens, needs_logits, trees, return_hidden)
+
     @torch.inference_mode()
-    def _ring_chunk(self, seq, n: int) -> torch.Tensor:
-        """Prefill seq's next n prompt tokens over every rank; their K/V into seq's slots; the
-        final hidden state of the chunk's last token [1, H]."""
+    def _ring_chunk(self, seq, n: int, needs_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Prefill seq's next n prompt tokens over every rank, their K/V into seq's slots:
+        (the logits of the chunk's last token [1, V] when asked for, its final hidden state [1, H])."""
         began = time.perf_counter()
         start = seq.num_computed_tokens
         token_ids = seq.token_ids[start:start + n]
-        cache, bs, world = self.runner.kv_cache, self.runner.block_size, self.world_size
-        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(start + n)])
-        with self._ranks.command("ring", token_ids, start):
-            group = self._ranks.steps
-            prefix, exchange = None, time.perf_counter()
-            if start:
-                prefix = torch.stack([torch.stack([cache.k[layer].flatten(0, 1)[slots[:start]],
-                                                   cache.v[layer].flatten(0, 1)[slots[:start]]])
-                                      for layer in range(len(cache.k))])  # [layers, 2, start, Hkv, D]
-                dist.broadcast(prefix, 0, group=group)
-            exchange = time.perf_counter() - exchange
-            hidden, _, attention = ring_prefill(self.runner.model, torch.tensor(token_ids), 0, world, group=group,
-                                                start=start, prefix=prefix)
-            mine = _stacked_kv(attention, len(cache.k), attention.block_len)
-            gathered = [torch.empty_like(mine) for _ in range(world)]
-            gather_start = time.perf_counter()
-            dist.gather(mine, gathered, dst=0, group=group)
-            exchange += time.perf_counter() - gather_start
-        for rank, kv in enumerate(gathered):  # kv [layers, 2, block_len, Hkv, D]
-            positions = zigzag_positions(n, world, rank)
-            rank_slots = slots[start + positions]
-            for layer in range(len(cache.k)):
-                cache.k[layer].flatten(0, 1)[rank_slots] = kv[layer, 0, :len(positions)]
-                cache.v[layer].flatten(0, 1)[rank_slots] = kv[layer, 1, :len(positions)]
-        self.ring_chunks.append(RingChunk(start, n, time.perf_counter() - began, attention.comm_s, exchange))
-        return hidden[-1:]  # rank 0's slice ends with the chunk's last token
+        block_table = seq.block_table[:-(-(start + n) // self.runner.block_size)]
+        with self._ranks.command("ring", token_ids, start, block_table, needs_logits):
+            hidden, ring_wait, exchange = self.member.chunk(token_ids, start, block_table)
+            last = hidden[-1:]  # rank 0's slice ends with the chunk's last token
+            logits = self.runner.model.compute_logits(last) if needs_logits else None
+        self.ring_chunks.append(RingChunk(start, n, time.perf_counter() - began, ring_wait, exchange))
+        return logits, last
 
     def commit_accepted(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        self.runner.commit_accepted(src_slots, dst_slots)  # the KV cache is rank 0's alone
+        if self.tp_size > 1:
+            super().commit_accepted(src_slots, dst_slots)
+        else:  # the KV cache is rank 0's alone
+            self.runner.commit_accepted(src_slots, dst_slots)
 
     def set_feature_layers(self, layers: tuple[int, ...]) -> None:
-        self.runner.set_feature_layers(layers)
+        if self.tp_size > 1:
+            super().set_feature_layers(layers)
+        else:
+            self.runner.set_feature_layers(layers)

@@ -16,8 +16,9 @@ slice of the tokens, and inside every layer the slices' K/V travel around the ri
   lse = logaddexp(lse1, lse2), out = out1 e^(lse1 - lse) + out2 e^(lse2 - lse). A query
   that sees nothing of a block (lse = -inf) takes nothing from it.
 - **Earlier context.** A chunk after the first attends to the prompt before it too: its K/V
-  (read from the paged cache by the rank that decodes, and broadcast once per chunk) is one
-  more block every rank attends to, merged like the others.
+  (read from the paged cache by the rank that decodes, and broadcast once per chunk; with a
+  sliding window only the part the chunk's first query still sees) is one more block every
+  rank attends to, merged like the others.
 - **Sliding windows** (Mistral, Qwen2) mask keys at or beyond `window` positions back, as
   the paged backends do.
 - **Failures.** A rank that dies or stops answering mid-ring makes the others' transfers
@@ -42,13 +43,17 @@ class ContextParallelError(RuntimeError):
     """A rank of the ring failed or stopped answering mid-prefill."""
 
 
-def zigzag_positions(length: int, world: int, rank: int) -> torch.Tensor:
-    """The prompt positions rank `rank` of `world` takes: chunks rank and 2*world-1-rank of
-    2*world chunks as even as possible [T_rank] (long, increasing)."""
+def zigzag_slices(length: int, world: int) -> list[torch.Tensor]:
+    """The prompt positions each rank of `world` takes, [T_rank] (long, increasing) by rank:
+    rank r takes chunks r and 2*world-1-r of 2*world chunks as even as possible."""
     bounds = [round(i * length / (2 * world)) for i in range(2 * world + 1)]
-    first, second = rank, 2 * world - 1 - rank
-    return torch.cat([torch.arange(bounds[first], bounds[first + 1]),
-                      torch.arange(bounds[second], bounds[second + 1])])
+    return [torch.cat([torch.arange(bounds[r], bounds[r + 1]), torch.arange(bounds[-r - 2], bounds[-r - 1])])
+            for r in range(world)]
+
+
+def window_start(start: int, window: int | None) -> int:
+    """The first position a query at `start` (or after it) still sees under a sliding window."""
+    return max(0, start - window + 1) if window is not None else 0
 
 
 def block_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
@@ -86,10 +91,11 @@ class RingAttention:
     `positions` [T]; every slice is padded to `block_len` tokens in transit."""
 
     def __init__(self, positions: torch.Tensor, block_len: int, rank: int, world: int, ranks: list[int],
-                 group=None, window: int | None = None, prefix: torch.Tensor | None = None):
-        """prefix: the K/V of the context before the chunk, every rank's alike [layers, 2, P, Hkv, D]
-        (positions 0..P-1), or None."""
+                 group=None, window: int | None = None, prefix: torch.Tensor | None = None, start: int = 0):
+        """prefix: the K/V of the context before the chunk that it still sees, every rank's
+        alike [layers, 2, P, Hkv, D] (positions start-P..start-1; start: the chunk's first), or None."""
         self.positions, self.block_len, self.window, self.prefix = positions, block_len, window, prefix
+        self.prefix_positions = torch.arange(start - prefix.shape[2], start) if prefix is not None else None
         self.rank, self.world, self.ranks, self.group = rank, world, ranks, group
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this slice's (k, v) [T, Hkv, D]
         self.comm_s = 0.0  # seconds waiting for transfers (what compute did not hide)
@@ -104,8 +110,7 @@ class RingAttention:
         out = lse = None
         if self.prefix is not None and self.prefix.shape[2]:
             prefix_k, prefix_v = self.prefix[layer]  # [P, Hkv, D] each
-            out, lse = block_attention(q, self.positions, prefix_k, prefix_v, torch.arange(prefix_k.shape[0]),
-                                       self.window)
+            out, lse = block_attention(q, self.positions, prefix_k, prefix_v, self.prefix_positions, self.window)
         for step in range(self.world):
             pending = self._pass_on(block, block_pos, layer, step) if step < self.world - 1 else None
             part = block_attention(q, self.positions, block[0], block[1], block_pos, self.window)
@@ -148,17 +153,18 @@ class RingAttention:
 
 def ring_prefill(model, token_ids: torch.Tensor, rank: int, world: int, ranks: list[int] | None = None,
                  group=None, start: int = 0,
-                 prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, RingAttention]:
+                 prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor], RingAttention]:
     """This rank's part of a context-parallel prefill of the chunk token_ids [L] (every rank
     has it) at positions start..start+L-1, after the context whose K/V is `prefix`
-    [layers, 2, start, Hkv, D] (every rank's alike; None when start is 0): (final hidden
-    states of its positions [T, H], the positions [T], the RingAttention holding its K/V per
+    [layers, 2, P, Hkv, D] (every rank's alike: positions start-P..start-1, what the chunk
+    sees of it; None when start is 0): (final hidden states of its positions [T, H], every
+    rank's positions within the chunk (zigzag_slices), the RingAttention holding its K/V per
     layer). Rank 0 holds the chunk's last position (the last of the 2N chunks)."""
-    length = token_ids.shape[0]
-    offsets = zigzag_positions(length, world, rank)  # [T] within the chunk
-    block_len = max(len(zigzag_positions(length, world, r)) for r in range(world))
+    slices = zigzag_slices(token_ids.shape[0], world)
+    block_len = max(len(s) for s in slices)
     window = getattr(model.config, "sliding_window", None)
-    attention = RingAttention(offsets + start, block_len, rank, world, ranks or list(range(world)), group, window,
-                              prefix)
-    hidden = model(token_ids[offsets], offsets + start, attention)  # [T, H]
-    return hidden, offsets + start, attention
+    positions = slices[rank] + start
+    attention = RingAttention(positions, block_len, rank, world, ranks or list(range(world)), group, window, prefix,
+                              start)
+    hidden = model(token_ids[slices[rank]], positions, attention)  # [T, H]
+    return hidden, slices, attention

@@ -33,7 +33,7 @@ from draft_cpu.placement import format_core_list, pin_process
 from runtime.models.tensor_parallel import sharded_config
 from target_gpu.model_runner import ModelRunner
 from target_gpu.tp_launch import (LOST_CONTACT, RankSetup, TPLaunch, is_comm_error, join, node_cores, rank_device,
-                                  shard, spawn, tensor_group)
+                                  rank_groups, shard, spawn)
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,6 @@ class TPRunner:
     """ModelRunner's interface over the ranks of `launch`; this process is rank 0."""
 
     kind = "tensor-parallel"
-    pins_rank0 = True  # to its own share of the cores, as every rank
 
     def __init__(self, model, model_path: str, dtype: str, quantization: str, launch: TPLaunch,
                  num_blocks_of, block_size: int, attention_backend: str = "torch", draft_cores: list[int] = ()):
@@ -197,21 +196,20 @@ class TPRunner:
         draft_cores: cores the draft worker will take (no rank is pinned there)."""
         launch = launch.with_port()
         world = launch.world_size
-        self._check_split(model, world)  # a model that does not divide fails before anything starts
+        sharded_config(model.config, launch.tensor_parallel_size)  # a model that does not divide fails first
         cores = node_cores(launch, list(draft_cores)) if launch.device_type == "cpu" else None
         self._ranks = ranks = _Ranks(launch, spawn(launch, cores), self.kind)
         self._finalizer = weakref.finalize(self, ranks.close)
         try:
-            if cores and self.pins_rank0:
+            if cores and self._pins_rank0(launch):
                 ranks.restore_cores = pin_process(cores[0])
             log.info("%s: %d ranks (%d node%s), waiting for them at %s", self.kind, world, launch.nnodes,
                      "s" if launch.nnodes > 1 else "", launch.init_method)
             self._while_workers_live(lambda: setattr(ranks, "steps", join(launch, 0, launch.timeout_s)))
             device = rank_device(launch, launch.local_rank)
-            tensors = tensor_group(device, ranks.steps)
-            config = self._keep_rank0s_part(model, world, device, tensors)  # before sizing the KV cache
-            setup = RankSetup(model_path, dtype, quantization, num_blocks_of(config), block_size, attention_backend,
-                              context_parallel=self.kind == "context-parallel")
+            self.groups = rank_groups(launch, 0, device, ranks.steps, launch.timeout_s)
+            config = shard(model, self.groups, launch.tensor_parallel_size, device)  # before sizing the KV cache
+            setup = RankSetup(model_path, dtype, quantization, num_blocks_of(config), block_size, attention_backend)
             self._while_workers_live(lambda: dist.broadcast_object_list([setup], src=0))
             self.runner = ModelRunner(model, config, setup.num_blocks, block_size, device, attention_backend)
             self._while_workers_live(dist.barrier)  # every rank loaded
@@ -221,18 +219,17 @@ class TPRunner:
             raise
         ranks.start_heartbeat()
         self.world_size, self.num_blocks, self.config = world, setup.num_blocks, config
-        log.info("%s: %d ranks over gloo%s, %d KV blocks%s; cores: %s", self.kind, world,
+        self.tp_size = launch.tensor_parallel_size
+        pinned = self._pins_rank0(launch)
+        log.info("%s: %d ranks over gloo%s, %d KV blocks in %s; cores: %s", self.kind, world,
                  " (tensors over NCCL)" if launch.device_type == "cuda" else "", setup.num_blocks,
-                 " (rank 0's)" if setup.context_parallel else " each",
-                 "; ".join(f"rank {i} {format_core_list(c)}" + ("" if i or self.pins_rank0 else " (not pinned)")
+                 f"each of ranks 0..{self.tp_size - 1}" if self.tp_size > 1 else "rank 0",
+                 "; ".join(f"rank {i} {format_core_list(c)}" + ("" if i or pinned else " (not pinned)")
                            for i, c in enumerate(cores)) if cores else "not pinned")
 
-    def _check_split(self, model, world: int) -> None:
-        sharded_config(model.config, world)
-
-    def _keep_rank0s_part(self, model, world: int, device, tensors):
-        """Rank 0's shard of the model, on its device; its per-rank config."""
-        return shard(model, 0, world, device, tensors)
+    def _pins_rank0(self, launch: TPLaunch) -> bool:
+        """Whether this process takes only its share of the cores, as every rank does."""
+        return True
 
     def _while_workers_live(self, fn) -> None:
         """Run a blocking join step; fail at once if a spawned worker exits meanwhile."""

@@ -11,7 +11,9 @@ A process that is not rank 0 runs `run_node` and exits when rank 0 stops it.
 Groups: the default gloo group (a long timeout: ranks join and load their shards) carries
 the setup message; the step group (gloo, timeout --worker-timeout; twice that on workers, so
 rank 0 notices a failure first) carries every command, and on a CPU the tensors too; on
-CUDA the tensors go over an NCCL group.
+CUDA the tensors go over an NCCL group. With context parallelism (target_gpu.context_parallel)
+the ranks form a mesh of C context-parallel x T tensor-parallel ranks, rank = c * T + t
+(`RankGroups`): each c has a tensor group of its T ranks, each t a ring of its C ranks.
 
 Placement: on CUDA rank i takes cuda:(its local rank). On a CPU each rank of a node is
 pinned to its own share of the node's cores (the draft worker's cores excluded), when there
@@ -58,11 +60,15 @@ class TPLaunch:
     device_type: str = "cpu"  # cpu | cuda: rank i of a node takes cuda:i
     torchrun_rank: int | None = None  # RANK, when torchrun started every rank
     torchrun_local_rank: int = 0  # LOCAL_RANK
+    context_parallel_size: int = 1  # C of the C x T mesh (target_gpu.context_parallel); world_size = C * T
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.nnodes < 1 or self.world_size % self.nnodes:
             raise ValueError(f"tensor parallel size {self.world_size} does not split over {self.nnodes} nodes "
                              f"(it must be a multiple of --nnodes)")
+        if self.context_parallel_size < 1 or self.world_size % self.context_parallel_size:
+            raise ValueError(f"{self.world_size} ranks do not form a mesh of {self.context_parallel_size} "
+                             f"context-parallel ranks")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.timeout_s <= 0:
@@ -87,6 +93,10 @@ class TPLaunch:
         return cls(tensor_parallel_size, nnodes, node_rank, master_addr or "127.0.0.1",
                    master_port if master_port is not None else (29500 if nnodes > 1 else None), timeout_s,
                    device_type())
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size // self.context_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -131,7 +141,6 @@ class RankSetup:
     num_blocks: int
     block_size: int
     attention_backend: str
-    context_parallel: bool = False  # the ranks hold whole models and run ring chunks (target_gpu.context_parallel)
 
 
 def join(launch: TPLaunch, rank: int, step_timeout_s: float):
@@ -150,15 +159,44 @@ def rank_device(launch: TPLaunch, local_rank: int) -> torch.device:
     return device
 
 
-def tensor_group(device: torch.device, steps):
-    """The group for activations: NCCL between GPUs, else the step group itself."""
-    return dist.new_group(backend="nccl") if device.type == "cuda" else steps
+@dataclass(frozen=True)
+class RankGroups:
+    """A rank's place in the mesh (rank = cp_index * T + tp_index) and the groups it uses."""
+
+    steps: object  # every rank: rank 0's commands
+    tensors: object  # the T ranks of its cp_index: the shards' all-reduces and the logits' gather
+    ring: object  # the C ranks of its tp_index (ring_ranks, in ring order): ring attention; None without CP
+    ring_ranks: tuple[int, ...]
+    cp_index: int
+    tp_index: int
 
 
-def shard(model, rank: int, world: int, device: torch.device, tensors):
+def rank_groups(launch: TPLaunch, rank: int, device: torch.device, steps, step_timeout_s: float) -> RankGroups:
+    """This rank's groups; every rank calls this at the same point (groups are made collectively).
+    Activations go over NCCL between GPUs, else over the step group itself (T or C alone) or
+    gloo groups of the mesh (C x T, each with the step group's timeout)."""
+    c_size, t_size = launch.context_parallel_size, launch.tensor_parallel_size
+    cp_index, tp_index = divmod(rank, t_size)
+    ring_ranks = tuple(c * t_size + tp_index for c in range(c_size))
+    if c_size == 1:
+        tensors = dist.new_group(backend="nccl") if device.type == "cuda" else steps
+        return RankGroups(steps, tensors, None, ring_ranks, 0, tp_index)
+    if t_size == 1:
+        return RankGroups(steps, steps, steps, ring_ranks, cp_index, 0)
+    timeout = timedelta(seconds=step_timeout_s)
+    tensors = [dist.new_group(list(range(c * t_size, (c + 1) * t_size)), timeout=timeout, backend="gloo")
+               for c in range(c_size)]
+    rings = [dist.new_group([c * t_size + t for c in range(c_size)], timeout=timeout, backend="gloo")
+             for t in range(t_size)]
+    return RankGroups(steps, tensors[cp_index], rings[tp_index], ring_ranks, cp_index, tp_index)
+
+
+def shard(model, groups: RankGroups, tp_size: int, device: torch.device):
     """Keep this rank's shard of a model loaded on the host and move it to `device`; its config."""
-    config = sharded_config(model.config, world)
-    shard_model(model, TPGroup(rank, world, tensors))
+    if tp_size == 1:
+        return model.to(device).config
+    config = sharded_config(model.config, tp_size)
+    shard_model(model, TPGroup(groups.tp_index, tp_size, groups.tensors))
     model.to(device)
     return config
 
@@ -186,18 +224,18 @@ def run_rank(launch: TPLaunch, rank: int, local_rank: int, cores: list[int] | No
     try:
         steps = join(launch, rank, 2 * launch.timeout_s)
         device = rank_device(launch, local_rank)
-        tensors = tensor_group(device, steps)
+        groups = rank_groups(launch, rank, device, steps, 2 * launch.timeout_s)
         message = [None]
         dist.broadcast_object_list(message, src=0)
         setup: RankSetup = message[0]
         from runtime.models.loader import load_model
         model = load_model(setup.model_path, setup.dtype, torch.device("cpu"), setup.quantization)[0]
-        if setup.context_parallel:
-            from target_gpu.context_parallel import RingWorker
-            runner = RingWorker(model.to(device), rank, launch.world_size, steps)
-        else:
-            config = shard(model, rank, launch.world_size, device, tensors)
-            runner = ModelRunner(model, config, setup.num_blocks, setup.block_size, device, setup.attention_backend)
+        config = shard(model, groups, launch.tensor_parallel_size, device)
+        runner = None if groups.cp_index else ModelRunner(model, config, setup.num_blocks, setup.block_size, device,
+                                                          setup.attention_backend)  # the ranks that decode
+        if launch.context_parallel_size > 1:
+            from target_gpu.context_parallel import RingMember, RingWorker
+            runner = RingWorker(RingMember(model, config, groups, launch.context_parallel_size, runner), runner)
         dist.barrier()  # loaded
         while True:
             dist.broadcast_object_list(message, src=0, group=steps)

@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from target_gpu.ring_attention import (ContextParallelError, RingAttention, block_attention, merge, ring_prefill,
-                                       zigzag_positions)
+                                       window_start, zigzag_slices)
 from tests.models.test_tensor_parallel import tiny_model
 
 PROMPT_LEN = 37  # divides by neither 2 nor 3
+SPLIT = 15  # a second chunk starts here
 WINDOW = 8
 
 
@@ -66,7 +67,7 @@ def test_blocks_merged_by_log_sum_exp_equal_one_softmax():
 
 @pytest.mark.parametrize("length, world", [(37, 2), (37, 3), (5, 3), (64, 4)])
 def test_zigzag_slices_cover_the_prompt_once_and_balance_causal_work(length, world):
-    slices = [zigzag_positions(length, world, r) for r in range(world)]
+    slices = zigzag_slices(length, world)
     assert torch.equal(torch.cat(slices).sort().values, torch.arange(length))
     work = [int((s + 1).sum()) for s in slices]  # keys each rank's queries see under the causal mask
     if length >= 8 * world:
@@ -85,11 +86,17 @@ def _rank_main(rank: int, world: int, init: str, kind: str, die_at_layer: int | 
             return
         recorded: dict = {}
         reference = model.compute_logits(model(ids, torch.arange(PROMPT_LEN), dense_attention(window, recorded)))
-        hidden, positions, ring = ring_prefill(model, ids, rank, world)
+        hidden, slices, ring = ring_prefill(model, ids, rank, world)
+        positions = slices[rank]
         torch.testing.assert_close(model.compute_logits(hidden), reference[positions], rtol=1e-4, atol=1e-4)
         for layer, (k, v) in recorded.items():
             torch.testing.assert_close(ring.kv[layer][0], k[positions], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ring.kv[layer][1], v[positions], rtol=1e-5, atol=1e-5)
+        # a second chunk after SPLIT tokens, attending to what it sees of the first (all of it, or the window's part)
+        seen = torch.arange(window_start(SPLIT, window), SPLIT)
+        prefix = torch.stack([torch.stack([k[seen], v[seen]]) for k, v in recorded.values()])  # [layers, 2, P, Hkv, D]
+        hidden, slices, _ = ring_prefill(model, ids[SPLIT:], rank, world, start=SPLIT, prefix=prefix)
+        torch.testing.assert_close(model.compute_logits(hidden), reference[SPLIT + slices[rank]], rtol=1e-4, atol=1e-4)
     finally:
         if die_at_layer is None:
             dist.destroy_process_group()
