@@ -47,6 +47,7 @@ class DraftSequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_committed: int = 0  # tokens known to be committed by the engine (they never change)
+    num_freed_blocks: int = 0  # BlockManager's: none here (the draft's cache keeps every block)
 
 
 @dataclass(slots=True)

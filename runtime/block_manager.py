@@ -92,12 +92,10 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.cache_committed_blocks(seq)
             seq.num_cached_blocks = 0
-        freed = getattr(seq, "num_freed_blocks", 0)  # the draft worker's and heads' sequences have none
-        for block_id in reversed(seq.block_table[freed:]):
+        for block_id in reversed(seq.block_table[seq.num_freed_blocks:]):
             self._release(block_id)
         seq.block_table.clear()
-        if freed:
-            seq.num_freed_blocks = 0
+        seq.num_freed_blocks = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks needed for the first `num_tokens` tokens (rollback)."""

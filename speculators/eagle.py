@@ -63,6 +63,7 @@ class _HeadSeq:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> f_p [F], not yet fed
+    num_freed_blocks: int = 0  # BlockManager's: none here (the head's cache keeps every block)
 
 
 @dataclass(slots=True)
