@@ -7,6 +7,7 @@ themselves."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,14 @@ class EngineSettings:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.type == "cuda" or cpu_has_bf16_math() else "float32"
+
+    def resolved_quantization(self, launch: TPLaunch | None) -> str:
+        """auto under tensor parallelism on CUDA: none (float weights are what CUDA ranks split)."""
+        if launch is not None and launch.device_type == "cuda" and self.quantization == "auto":
+            logging.getLogger("runtime.engine").info("tensor parallelism on CUDA takes float weights: the target "
+                                                     "loads with --quantization none")
+            return "none"
+        return self.quantization
 
     def resolved_draft_device(self, target_device: torch.device) -> torch.device:
         """auto: the CPU (the point of this runtime), unless the target is on a GPU and the

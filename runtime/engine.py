@@ -2,16 +2,14 @@
 
     step():  propose -> schedule -> verify on the target -> accept -> commit
 
-propose: each decoding sequence whose request speculates gets a draft tree from its
-proposer, sized from measured acceptance and costs (runtime.proposer_pool); schedule:
-the scheduler fits the trees into the step's token budget and free blocks; verify: one
-target pass over every new token and tree node (its rows: runtime.verify_layout);
-accept: the rejection sampler keeps the accepted path plus one bonus or recovered token
-per sequence (plain decoding is the empty tree); commit: the accepted path's KV is moved
-into place, the rest of the reserved blocks are released, proposers hear what was kept.
-The engine is the only place that knows the scheduler, the target worker, the proposers
-and the sampler together (docs/architecture.md, One decode step). It is not thread-safe:
-the server drives it from one loop thread.
+propose: a draft tree for each decoding sequence that speculates, sized from measured
+acceptance and costs (runtime.proposer_pool); schedule: the trees fit into the step's
+token budget and free blocks; verify: one target pass over every new token and tree node
+(runtime.verify_layout); accept: the rejection sampler keeps the accepted path plus one
+bonus or recovered token a sequence; commit: the path's KV moves into place, the rest of
+the reserved blocks come back, proposers hear what was kept. Only the engine knows the
+scheduler, target, proposers and sampler together (docs/architecture.md, One decode
+step). Not thread-safe: the server drives it from one loop thread.
 """
 from __future__ import annotations
 
@@ -39,6 +37,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats, StepTiming
+from runtime.structured_output import Grammars
 from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
@@ -58,10 +57,7 @@ class LLMEngine:
         launch = config.tp_launch()
         if launch is not None and launch.rank != 0:  # another node's ranks, or a torchrun rank > 0
             sys.exit(run_node(launch))
-        quantization = config.quantization
-        if launch is not None and launch.device_type == "cuda" and quantization == "auto":
-            log.info("tensor parallelism on CUDA takes float weights: the target loads with --quantization none")
-            quantization = "none"
+        quantization = config.resolved_quantization(launch)
         self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
         # loading uses every core; the OpenMP workers it starts end with the loading thread
@@ -81,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = RejectionSampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._next_id = 0
@@ -147,6 +144,8 @@ class LLMEngine:
         """ValueError when the request asks for what this engine cannot do (beyond SamplingParams' checks)."""
         if params.speculator not in (None, "none"):
             self.pool.get(params.speculator)
+        if params.guided is not None:
+            self.grammars.compile(params.guided)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -160,7 +159,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, tuple(self.model_config.eos_token_ids),
-                       speculator=params.speculator or self.config.speculator)
+                       speculator=params.speculator or self.config.speculator,
+                       constraint=self.grammars.constraint(params.guided) if params.guided else None)
         if self.pool.needs_features(seq.speculator):
             seq.reads_prefix_cache = False  # the proposer needs the target's features of every token
         self.requests[request_id] = RequestState(seq, logprobs=None if params.logprobs is None else [])

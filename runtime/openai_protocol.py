@@ -10,6 +10,11 @@ extensions top_k, ignore_eos, stop_token_ids, include_stop_str_in_output and
 `speculation` (this request's proposer: {"method": "lookahead", "num_speculative_tokens":
 4}, or "off"). Unknown fields are ignored, as OpenAI does.
 
+Structured output (runtime.structured_output): OpenAI's response_format ({"type":
+"json_object"}, or "json_schema" with {"name", "schema", "strict"}), and vLLM's guided_json,
+guided_regex, guided_choice and guided_grammar (EBNF) on both endpoints; at most one of them.
+A schema or grammar that does not compile is a 400 naming it.
+
 Logprobs are the model's own distribution, before temperature and top-k/top-p
 (runtime.logprobs). `usage` has OpenAI's counts, prompt_tokens_details.cached_tokens
 (the prefix cache's share of the prompt), and an extension, `metrics`: TTFT, TPOT and
@@ -32,11 +37,12 @@ from typing import Any, ClassVar
 
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.outputs import RequestOutput
 from runtime.logprobs import TokenLogprobs
 from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from runtime.structured_output import GuidedSpec
 from speculators import registry
 
 MAX_N = 16  # choices per request
@@ -89,6 +95,18 @@ class SpeculationOptions(BaseModel):
     num_speculative_tokens: int | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share; anything else in the body is ignored."""
 
@@ -110,6 +128,11 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     speculation: SpeculationOptions | Literal["off"] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -140,6 +163,7 @@ class GenerationRequest(BaseModel):
         """One SamplingParams per choice (choice i of a seeded request is seeded seed + i)."""
         max_tokens = self._max_tokens(num_prompt_tokens, max_model_len)
         speculator, num_speculative_tokens = self._speculation()
+        guided = self._guided()
         try:
             return [SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -147,7 +171,7 @@ class GenerationRequest(BaseModel):
                 seed=None if self.seed is None else self.seed + i, stop=self.stop or [],
                 stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
-                speculator=speculator, num_speculative_tokens=num_speculative_tokens)
+                speculator=speculator, num_speculative_tokens=num_speculative_tokens, guided=guided)
                 for i in range(self.num_choices)]
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise ApiError(str(e), str(e).split()[0]) from None
@@ -168,6 +192,30 @@ class GenerationRequest(BaseModel):
         if tokens is not None and not 0 <= tokens <= 64:
             raise ApiError(f"speculation.num_speculative_tokens must be from 0 to 64, got {tokens}", "speculation")
         return options.method, tokens
+
+    def _guided(self) -> GuidedSpec | None:
+        """The constraint asked for by response_format or one guided_* field; None: free text."""
+        asked = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")
+                 if getattr(self, name) is not None}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            asked["response_format"] = fmt
+        if len(asked) > 1:
+            raise ApiError(f"ask for one kind of structured output, not {' and '.join(asked)}", list(asked)[1])
+        if not asked:
+            return None
+        (param, value), = asked.items()
+        if param == "response_format":
+            if value.type == "json_object":
+                return GuidedSpec("json_object")
+            if value.json_schema is None or value.json_schema.schema_ is None:
+                raise ApiError("response_format json_schema needs json_schema.schema", "response_format")
+            return GuidedSpec("json", value.json_schema.schema_)
+        try:
+            return GuidedSpec(param.removeprefix("guided_"), value)
+        except ValueError as e:
+            raise ApiError(f"{param}: {e}", param) from None
 
     def _max_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """The requested max tokens, if the context has room for them; else the default."""

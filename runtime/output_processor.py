@@ -35,6 +35,8 @@ class OutputProcessor:
         for token in token_ids:
             seq.append_token(token)
             appended.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             delta = self.detokenizer.delta(seq.output_token_ids, state.detok)
             if delta and params.stop:
                 delta, reason = self._cut_at_stop(seq, delta)
@@ -64,6 +66,8 @@ class OutputProcessor:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
+            return "stop"
+        if seq.constraint is not None and seq.constraint.is_finished:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

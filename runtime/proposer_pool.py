@@ -157,6 +157,10 @@ class ProposerPool:
         self._breaker(name).record_success()
         depth = total = 0
         for (seq, budget), tree in zip(group, trees):
+            if seq.constraint is not None and len(tree):  # what the grammar forbids costs no target work
+                pruned = seq.constraint.prune(tree)
+                seq.metrics.num_pruned_draft_tokens += len(tree) - len(pruned)
+                tree = pruned
             if len(tree):
                 seq.draft_tree = tree.truncated(budget)
                 depth = max(depth, seq.draft_tree.max_depth)

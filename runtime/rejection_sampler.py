@@ -32,6 +32,7 @@ import torch
 
 from runtime.sampling import target_probs
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output import mask_logits
 from runtime.verify_layout import VerifyLayout, root_rows
 
 
@@ -72,9 +73,11 @@ class RejectionSampler:
             self.generator.seed()
 
     def verify(self, logits: torch.Tensor, layout: VerifyLayout) -> list[Verdict]:
-        """One Verdict per sampling sequence of a step's layout; logits [R, V] as it says."""
+        """One Verdict per sampling sequence of a step's layout; logits [R, V] as it says,
+        masked in place first where a sequence keeps to a grammar (runtime.structured_output)."""
         seqs = layout.sampled_seqs
-        return self(logits, layout.sampled_trees, [s.params for s in seqs], [s.generator for s in seqs])
+        trees = mask_logits(logits, seqs, layout.sampled_trees, layout.logit_starts)
+        return self(logits, trees, [s.params for s in seqs], [s.generator for s in seqs])
 
     def __call__(self, logits: torch.Tensor, trees: list, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[Verdict]:

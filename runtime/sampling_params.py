@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.structured_output import GuidedSpec
+
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 
 
@@ -31,6 +33,8 @@ class SamplingParams:
     # engine checks the name against its speculators (speculators.registry) when the request is added
     speculator: str | None = None
     num_speculative_tokens: int | None = None
+    # the output held to a JSON schema, a regex, choices or a grammar (runtime.structured_output); None = free
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,8 @@ class SamplingParams:
                 not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
                 or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError(f"guided must be a runtime.structured_output.GuidedSpec, got {self.guided!r:.80}")
 
     @property
     def is_greedy(self) -> bool:

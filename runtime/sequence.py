@@ -13,6 +13,7 @@ from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.draft_tree import DraftTree
+    from runtime.structured_output import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +40,7 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [d - 1]: steps that accepted depth d
     num_target_forwards: int = 0  # target passes this request took part in (prefill chunks included)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
+    num_pruned_draft_tokens: int = 0  # draft nodes its grammar forbade, dropped before verification
 
     @property
     def ttft_s(self) -> float | None:
@@ -83,6 +85,7 @@ class RequestMetrics:
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
                 "accepted_per_position": list(self.accepted_per_position),
                 "num_target_forwards": self.num_target_forwards, "num_cached_tokens": self.num_cached_tokens,
+                "num_pruned_draft_tokens": self.num_pruned_draft_tokens,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
 
 
@@ -137,6 +140,7 @@ class Sequence:
     generator: torch.Generator | None = None
     speculator: str = "none"  # who drafts for it (a speculators.registry name), resolved when it is added
     draft_tree: DraftTree | None = None  # this step's proposal, set by the engine before scheduling
+    constraint: Constraint | None = None  # the grammar its output keeps to (params.guided), at its committed tokens
     # the target's output for the last token, kept only when a proposer asks for it
     last_logits: torch.Tensor | None = None  # [V]
     last_hidden: torch.Tensor | None = None  # [H]

@@ -1,0 +1,195 @@
+"""Structured output: a request's output held to a JSON schema, any JSON, a regex, a list
+of choices or an EBNF grammar, through xgrammar (Dong et al. 2024), with speculation kept
+lossless.
+
+- `GuidedSpec` is what a request asks for (SamplingParams.guided).
+- `Grammars` (one per engine) compiles specs for the engine's tokenizer, cached by
+  xgrammar; a spec that does not compile is a ValueError naming the problem (a 400).
+- `Constraint` (one per sequence) is the grammar's state after the sequence's committed
+  output. Before a step is scheduled it prunes the draft nodes the grammar forbids after
+  their path, with their subtrees (they cost no target work, and are counted); at
+  verification it gives the allowed tokens at the root and at every node, advancing the
+  state along each node's path and rolling it back; after the step it advances by the
+  committed tokens. Once the grammar is complete and has taken its stop token, the
+  sequence is done ("stop").
+- `mask_logits` applies every constrained sequence's masks to its rows of a step's logits
+  [R, V], before greedy picks, rejection sampling and logprobs read them. The sampler then
+  works on the masked, renormalised target distribution at every node, and on each kept
+  node's draft law masked the same way (the law it was drawn from, given that it was not
+  pruned), so the output is exactly constrained sampling from the target, whatever the
+  proposer drafted.
+
+A request whose grammar is not complete within max_tokens ends with "length", as any
+other request: its text is then a prefix of a valid output, never claimed complete.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from runtime.draft_tree import DraftTree
+
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedSpec:
+    """kind: json (value: a JSON schema, a dict or its text), json_object (any JSON object;
+    value None), regex (a pattern), choice (a list of strings: exactly one of them) or
+    grammar (EBNF, xgrammar's dialect of GBNF)."""
+
+    kind: str
+    value: object = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided output kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+        ok = {"json": isinstance(self.value, (dict, str)), "json_object": self.value is None,
+              "regex": isinstance(self.value, str) and self.value,
+              "choice": isinstance(self.value, (list, tuple)) and self.value
+              and all(isinstance(c, str) and c for c in self.value),
+              "grammar": isinstance(self.value, str) and self.value}[self.kind]
+        if not ok:
+            raise ValueError(f"guided {self.kind} needs {_NEEDS[self.kind]}, got {self.value!r:.80}")
+
+
+_NEEDS = {"json": "a JSON schema", "json_object": "no value", "regex": "a non-empty pattern",
+          "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty EBNF grammar"}
+
+
+def _ebnf_string(text: str) -> str:
+    """text as an EBNF string literal (JSON's escapes are the grammar's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _library_message(error: Exception) -> str:
+    """xgrammar's message without its timestamp and source position."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0] if lines else repr(error))
+
+
+class Grammars:
+    """Compiles GuidedSpecs for one tokenizer (xgrammar loads on first use)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self._compiler = None
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, spec: GuidedSpec):
+        """The xgrammar CompiledGrammar of spec; ValueError naming what does not compile."""
+        compiler = self.compiler
+        try:
+            if spec.kind == "json":
+                schema = spec.value if isinstance(spec.value, str) else json.dumps(spec.value)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.value)
+            if spec.kind == "choice":
+                return compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_string, spec.value)))
+            return compiler.compile_grammar(spec.value)
+        except (RuntimeError, ValueError) as e:
+            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
+                    "grammar": "grammar"}[spec.kind]
+            raise ValueError(f"the {what} does not compile: {_library_message(e)}") from None
+
+    def constraint(self, spec: GuidedSpec) -> Constraint:
+        import xgrammar as xgr
+        return Constraint(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+class Constraint:
+    """One sequence's grammar state (the module docstring); not thread-safe, as sequences are not."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and took its stop token: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> None:
+        """Advance by a committed token (one the masks allowed)."""
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"token {token_id} broke the request's grammar")
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """tree without the nodes the grammar forbids after their path, nor their subtrees."""
+        children, kept = tree.children(), []
+
+        def walk(node: int) -> None:
+            if self.matcher.is_terminated():  # the grammar is complete: nothing may follow
+                return
+            for child in children[node + 1]:
+                if self.matcher.accept_token(tree.token_ids[child]):
+                    kept.append(child)
+                    walk(child)
+                    self.matcher.rollback(1)
+        walk(-1)
+        if len(kept) == len(tree):
+            return tree
+        kept.sort()  # parents before children still
+        index = {node: i for i, node in enumerate(kept)}
+        probs = None if tree.draft_probs is None else tree.draft_probs[kept]
+        return DraftTree([tree.token_ids[n] for n in kept], [index.get(tree.parents[n], -1) for n in kept], probs)
+
+    def fill(self, bitmask: torch.Tensor, row: int, tree: DraftTree) -> list[int]:
+        """The allowed tokens at the root (bitmask row `row`) and at node i (row + 1 + i),
+        bitmask int32 [R, ceil(V / 32)] (xgrammar's layout); returns the rows filled. Rows
+        after a node that completes the grammar stay as they are (what follows is dropped)."""
+        children, filled = tree.children(), []
+
+        def walk(node: int) -> None:
+            if self.matcher.is_terminated():
+                return
+            self.matcher.fill_next_token_bitmask(bitmask, row + node + 1)
+            filled.append(row + node + 1)
+            for child in children[node + 1]:
+                if self.matcher.accept_token(tree.token_ids[child]):  # pruned trees: always
+                    walk(child)
+                    self.matcher.rollback(1)
+        walk(-1)
+        return filled
+
+
+def mask_logits(logits: torch.Tensor, seqs: list, trees: list[DraftTree],
+                row_starts: list[int]) -> list[DraftTree]:
+    """Mask, in place, the logits rows [R, V] of every sequence with a constraint (seqs[k]'s
+    root row is row_starts[k], then one row per node of trees[k]): forbidden tokens -inf.
+    Returns the trees to verify: a constrained one's draft probabilities kept to what the
+    grammar allows at each node's parent, renormalised. That is the law a node that survived
+    pruning was drawn from; verifying it against the unmasked law would bias the output
+    (a pruned node is a rejection whose residual update would be skipped)."""
+    constrained = [k for k, seq in enumerate(seqs) if seq.constraint is not None]
+    if not constrained:
+        return trees
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], seqs[constrained[0]].constraint.vocab_size)  # all allowed
+    rows = [r for k in constrained for r in seqs[k].constraint.fill(bitmask, row_starts[k], trees[k])]
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    trees = list(trees)
+    for k in constrained:
+        tree, root = trees[k], row_starts[k]
+        if tree.draft_probs is None or not len(tree):
+            continue
+        allowed = torch.zeros(1 + len(tree), tree.draft_probs.shape[1])  # [1 + n, V]: 0 where allowed
+        xgr.apply_token_bitmask_inplace(allowed, bitmask[root:root + 1 + len(tree)])
+        at_parent = (allowed == 0)[torch.tensor(tree.parents) + 1].to(tree.draft_probs.device)  # [n, V]
+        q = tree.draft_probs * at_parent
+        trees[k] = DraftTree(tree.token_ids, tree.parents, q / q.sum(-1, keepdim=True).clamp_min(1e-30))
+    return trees
