@@ -4,9 +4,9 @@
     llm = LLM(model="smollm2-135m")
     print(llm.generate(["Hello"], SamplingParams(max_tokens=16))[0].text)
 """
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import GuidedSpec, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+__all__ = ["LLM", "SamplingParams", "GuidedSpec", "GenerationResult"]
 
 
 def __getattr__(name):  # keep `import runtime` light: torch/transformers load on first use

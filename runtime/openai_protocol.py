@@ -41,8 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.outputs import RequestOutput
 from runtime.logprobs import TokenLogprobs
-from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
-from runtime.structured_output import GuidedSpec
+from runtime.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
 from speculators import registry
 
 MAX_N = 16  # choices per request

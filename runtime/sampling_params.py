@@ -3,9 +3,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.structured_output import GuidedSpec
-
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedSpec:
+    """kind: json (value: a JSON schema, a dict or its text), json_object (any JSON object;
+    value None), regex (a pattern), choice (a list of strings: exactly one of them) or
+    grammar (EBNF, xgrammar's dialect of GBNF)."""
+
+    kind: str
+    value: object = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided output kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+        ok = {"json": isinstance(self.value, (dict, str)), "json_object": self.value is None,
+              "regex": isinstance(self.value, str) and self.value,
+              "choice": isinstance(self.value, (list, tuple)) and self.value
+              and all(isinstance(c, str) and c for c in self.value),
+              "grammar": isinstance(self.value, str) and self.value}[self.kind]
+        if not ok:
+            raise ValueError(f"guided {self.kind} needs {_NEEDS[self.kind]}, got {self.value!r:.80}")
+
+
+_NEEDS = {"json": "a JSON schema", "json_object": "no value", "regex": "a non-empty pattern",
+          "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty EBNF grammar"}
 
 
 @dataclass(slots=True)
@@ -68,7 +92,7 @@ class SamplingParams:
                 or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
-            raise ValueError(f"guided must be a runtime.structured_output.GuidedSpec, got {self.guided!r:.80}")
+            raise ValueError(f"guided must be a runtime.sampling_params.GuidedSpec, got {self.guided!r:.80}")
 
     @property
     def is_greedy(self) -> bool:

@@ -2,7 +2,7 @@
 of choices or an EBNF grammar, through xgrammar (Dong et al. 2024), with speculation kept
 lossless.
 
-- `GuidedSpec` is what a request asks for (SamplingParams.guided).
+- `GuidedSpec` (runtime.sampling_params) is what a request asks for (SamplingParams.guided).
 - `Grammars` (one per engine) compiles specs for the engine's tokenizer, cached by
   xgrammar; a spec that does not compile is a ValueError naming the problem (a 400).
 - `Constraint` (one per sequence) is the grammar's state after the sequence's committed
@@ -26,39 +26,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-
 import torch
 
 from runtime.draft_tree import DraftTree
-
-GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-@dataclass(frozen=True, slots=True)
-class GuidedSpec:
-    """kind: json (value: a JSON schema, a dict or its text), json_object (any JSON object;
-    value None), regex (a pattern), choice (a list of strings: exactly one of them) or
-    grammar (EBNF, xgrammar's dialect of GBNF)."""
-
-    kind: str
-    value: object = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in GUIDED_KINDS:
-            raise ValueError(f"guided output kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
-        ok = {"json": isinstance(self.value, (dict, str)), "json_object": self.value is None,
-              "regex": isinstance(self.value, str) and self.value,
-              "choice": isinstance(self.value, (list, tuple)) and self.value
-              and all(isinstance(c, str) and c for c in self.value),
-              "grammar": isinstance(self.value, str) and self.value}[self.kind]
-        if not ok:
-            raise ValueError(f"guided {self.kind} needs {_NEEDS[self.kind]}, got {self.value!r:.80}")
-
-
-_NEEDS = {"json": "a JSON schema", "json_object": "no value", "regex": "a non-empty pattern",
-          "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty EBNF grammar"}
-
+from runtime.sampling_params import GuidedSpec
 
 def _ebnf_string(text: str) -> str:
     """text as an EBNF string literal (JSON's escapes are the grammar's)."""

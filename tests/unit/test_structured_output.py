@@ -21,8 +21,8 @@ import xgrammar as xgr
 
 from runtime.draft_tree import DraftTree
 from runtime.rejection_sampler import RejectionSampler
-from runtime.sampling_params import SamplingParams
-from runtime.structured_output import Constraint, GuidedSpec, mask_logits
+from runtime.sampling_params import GuidedSpec, SamplingParams
+from runtime.structured_output import Constraint, mask_logits
 from runtime.verify_layout import VerifyLayout, root_rows
 from tests.unit.test_rejection_sampler import assert_close_in_total_variation, assert_fits
 
