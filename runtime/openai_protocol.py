@@ -13,7 +13,10 @@ extensions top_k, ignore_eos, stop_token_ids, include_stop_str_in_output and
 Structured output (runtime.structured_output): OpenAI's response_format ({"type":
 "json_object"}, or "json_schema" with {"name", "schema", "strict"}), and vLLM's guided_json,
 guided_regex, guided_choice and guided_grammar (EBNF) on both endpoints; at most one of them.
-A schema or grammar that does not compile is a 400 naming it.
+A schema or grammar that does not compile is a 400 naming it. Chat also takes tools,
+tool_choice and parallel_tool_calls (runtime.tool_calls): calls come back as tool_calls,
+streamed as one delta when the choice ends, with finish_reason "tool_calls"; earlier turns
+may hold assistant tool_calls and tool messages.
 
 Logprobs are the model's own distribution, before temperature and top-k/top-p
 (runtime.logprobs). `usage` has OpenAI's counts, prompt_tokens_details.cached_tokens
@@ -42,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runtime.outputs import RequestOutput
 from runtime.logprobs import TokenLogprobs
 from runtime.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
+from runtime.tool_calls import ToolChoice, ToolStream
 from speculators import registry
 
 MAX_N = 16  # choices per request
@@ -162,7 +166,7 @@ class GenerationRequest(BaseModel):
         """One SamplingParams per choice (choice i of a seeded request is seeded seed + i)."""
         max_tokens = self._max_tokens(num_prompt_tokens, max_model_len)
         speculator, num_speculative_tokens = self._speculation()
-        guided = self._guided()
+        guided = self.guided()
         try:
             return [SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -192,7 +196,7 @@ class GenerationRequest(BaseModel):
             raise ApiError(f"speculation.num_speculative_tokens must be from 0 to 64, got {tokens}", "speculation")
         return options.method, tokens
 
-    def _guided(self) -> GuidedSpec | None:
+    def guided(self) -> GuidedSpec | None:
         """The constraint asked for by response_format or one guided_* field; None: free text."""
         asked = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
                                                          "guided_grammar")
@@ -257,9 +261,23 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class MessageToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -268,12 +286,54 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
 
+    def for_template(self) -> dict:
+        """As chat templates take it: "developer" is "system"; calls' arguments as objects."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _json_object(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         if any(part.type != "text" or part.text is None for part in self.content):
             raise ApiError("only text content parts are supported", "messages")
         return "".join(part.text for part in self.content)
+
+
+def _json_object(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -284,6 +344,36 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self) -> ToolChoice | None:
+        """What the tools and tool_choice ask for; None: answer in text."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ApiError("tool_choice needs tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        tools = tuple(t.function.model_dump(exclude_none=True) for t in self.tools)
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t["name"] for t in tools}:
+                raise ApiError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                               f"tools", "tool_choice")
+            return ToolChoice(tools, "named", choice.function.name, parallel)
+        return ToolChoice(tools, choice or "auto", None, parallel)
+
+    def guided(self) -> GuidedSpec | None:
+        tool_spec = (use := self.tool_use()) and use.constraint()
+        if tool_spec is None:
+            return super().guided()
+        if super().guided() is not None:
+            raise ApiError("tool_choice required or a named function constrains the output already; do not also "
+                           "ask for response_format or guided_*", "tool_choice")
+        return tool_spec
 
     @property
     def num_logprobs(self) -> int | None:
@@ -297,10 +387,13 @@ class ChatCompletionRequest(GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_prompt(self) -> list[dict]:
-        """The messages as the engine's chat template takes them."""
-        # chat templates know "system"; OpenAI's "developer" messages are the same thing
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def to_prompt(self) -> list[dict] | dict:
+        """The messages as the engine's chat template takes them, with the tools when the
+        model may call them (runtime.prompts)."""
+        messages = [m.for_template() for m in self.messages]
+        use = self.tool_use()
+        return messages if use is None else {"messages": messages, "tools": [
+            {"type": "function", "function": tool} for tool in use.tools]}
 
 
 # ---- response bodies ----------------------------------------------------------------------------
@@ -402,15 +495,29 @@ class ChatFormat(CompletionFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool, token_text: Callable[[int], str]):
+    def __init__(self, model: str, include_usage: bool, token_text: Callable[[int], str],
+                 tools: ToolChoice | None = None):
         super().__init__(model, include_usage, token_text)
         self.sent_role: set[int] = set()
+        self.tools = tools
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def response(self, outputs: list[RequestOutput]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self.logprobs(i, out.logprobs), "finish_reason": out.finish_reason}
-                   for i, out in enumerate(outputs)]
+        choices = []
+        for i, out in enumerate(outputs):
+            content, calls = self._calls(out.text, out.finish_reason)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.body() for call in calls]
+            choices.append({"index": i, "message": message, "logprobs": self.logprobs(i, out.logprobs),
+                            "finish_reason": "tool_calls" if calls else out.finish_reason})
         return self.envelope(self.object, choices, usage=usage(outputs))
+
+    def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list]:
+        """(content, tool calls) of a finished choice; a constrained call cut short is text."""
+        if self.tools is None or (finish_reason != "stop" and self.tools.mode != "auto"):
+            return text, []
+        return self.tools.parse(text)
 
     def chunks(self, index: int, out: RequestOutput) -> list[dict]:
         chunks = []
@@ -418,11 +525,26 @@ class ChatFormat(CompletionFormat):
             self.sent_role.add(index)
             chunks.append(self.chunk(index, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
         logprobs = self.logprobs(index, new_logprobs(out)) if out.logprobs is not None else None
-        if out.delta_text or (logprobs and logprobs["content"]):
-            chunks.append(self.chunk(index, {"delta": {"content": out.delta_text}, "finish_reason": None}, logprobs))
+        content = out.delta_text if self.tools is None else self._stream(index).content(out.delta_text)
+        if content or (logprobs and logprobs["content"]):
+            chunks.append(self.chunk(index, {"delta": {"content": content}, "finish_reason": None}, logprobs))
         if out.finished:
-            chunks.append(self.chunk(index, {"delta": {}, "finish_reason": out.finish_reason}))
+            reason, calls = out.finish_reason, []
+            if self.tools is not None:
+                rest, calls = self._stream(index).finish()
+                if calls and reason != "stop" and self.tools.mode != "auto":
+                    rest, calls = self._stream(index).text, []
+                if rest:
+                    chunks.append(self.chunk(index, {"delta": {"content": rest}, "finish_reason": None}))
+                if calls:
+                    chunks.append(self.chunk(index, {"delta": {"tool_calls": [c.body(k) for k, c in enumerate(calls)]},
+                                                     "finish_reason": None}))
+                    reason = "tool_calls"
+            chunks.append(self.chunk(index, {"delta": {}, "finish_reason": reason}))
         return chunks
+
+    def _stream(self, index: int) -> ToolStream:
+        return self.tool_streams.setdefault(index, ToolStream(self.tools))
 
     def logprobs(self, index: int, entries: list[TokenLogprobs] | None) -> dict | None:
         """The chat layout: one object per token, with its bytes and its top alternatives."""

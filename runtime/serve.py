@@ -113,7 +113,8 @@ class OpenAIServer:
                                    request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        return await self.generate(body, ChatFormat(self.model_name, body.include_usage, self.token_text), request)
+        return await self.generate(body, ChatFormat(self.model_name, body.include_usage, self.token_text,
+                                                    body.tool_use()), request)
 
     # ---- shared steps ---------------------------------------------------------------------
     async def generate(self, body: CompletionRequest | ChatCompletionRequest, fmt: CompletionFormat,

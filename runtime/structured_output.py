@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import re
+
+import numpy as np
 import torch
 
 from runtime.draft_tree import DraftTree
@@ -137,6 +139,16 @@ class Constraint:
         return filled
 
 
+def allowed_tokens(bitmask: torch.Tensor, rows: list[int], vocab_size: int, allowed: bool = True) -> torch.Tensor:
+    """bool [len(rows), vocab_size]: the tokens bitmask's rows allow (or forbid: allowed
+    False); xgrammar's layout: bit j of int32 word w is token 32w + j. Unpacked with numpy,
+    an order of magnitude faster on a CPU than xgrammar's own apply_token_bitmask_inplace."""
+    words = bitmask[rows].numpy().view(np.uint8)  # little-endian: byte b holds tokens 8b .. 8b + 7
+    bits = np.unpackbits(words, axis=-1, count=vocab_size, bitorder="little")  # [rows, V] of 0/1
+    return torch.from_numpy(bits.view(np.bool_) if allowed else bits == 0)
+
+
+@torch.inference_mode()  # the target's logits are inference tensors
 def mask_logits(logits: torch.Tensor, seqs: list, trees: list[DraftTree],
                 row_starts: list[int]) -> list[DraftTree]:
     """Mask, in place, the logits rows [R, V] of every sequence with a constraint (seqs[k]'s
@@ -149,18 +161,19 @@ def mask_logits(logits: torch.Tensor, seqs: list, trees: list[DraftTree],
     if not constrained:
         return trees
     import xgrammar as xgr
+    vocab = logits.shape[1]
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], seqs[constrained[0]].constraint.vocab_size)  # all allowed
     rows = [r for k in constrained for r in seqs[k].constraint.fill(bitmask, row_starts[k], trees[k])]
     if rows:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        forbidden = allowed_tokens(bitmask, rows, vocab, allowed=False).to(logits.device, non_blocking=True)
+        for i, row in enumerate(rows):
+            logits[row].masked_fill_(forbidden[i], float("-inf"))
     trees = list(trees)
     for k in constrained:
         tree, root = trees[k], row_starts[k]
         if tree.draft_probs is None or not len(tree):
             continue
-        allowed = torch.zeros(1 + len(tree), tree.draft_probs.shape[1])  # [1 + n, V]: 0 where allowed
-        xgr.apply_token_bitmask_inplace(allowed, bitmask[root:root + 1 + len(tree)])
-        at_parent = (allowed == 0)[torch.tensor(tree.parents) + 1].to(tree.draft_probs.device)  # [n, V]
-        q = tree.draft_probs * at_parent
+        allowed = allowed_tokens(bitmask, list(range(root, root + 1 + len(tree))), tree.draft_probs.shape[1])
+        q = tree.draft_probs * allowed[torch.tensor(tree.parents) + 1].to(tree.draft_probs.device)  # [n, V]
         trees[k] = DraftTree(tree.token_ids, tree.parents, q / q.sum(-1, keepdim=True).clamp_min(1e-30))
     return trees

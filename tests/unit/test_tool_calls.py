@@ -1,0 +1,77 @@
+"""Tool calls (runtime.tool_calls): the constraint each tool_choice sets, parsing finished
+outputs (Hermes calls for auto, constrained JSON for required and named), and streaming
+that holds back exactly what may still become a call."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from runtime.tool_calls import ToolChoice, ToolStream
+
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}
+TOOLS = (WEATHER, TIME)
+
+
+def test_named_and_required_constraints_accept_exactly_calls_of_the_tools():
+    named = ToolChoice(TOOLS, "named", "get_weather").constraint()
+    assert named.kind == "json" and named.value == WEATHER["parameters"]
+    required = ToolChoice(TOOLS, "required").constraint().value
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}},
+                         {"name": "get_weather", "parameters": {"city": "Oslo"}}], required)
+    for wrong in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, required)
+    single = ToolChoice(TOOLS, "required", parallel=False).constraint().value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, single)
+    assert ToolChoice(TOOLS, "auto").constraint() is None
+
+
+def test_parsing_finished_outputs():
+    content, calls = ToolChoice(TOOLS, "named", "get_weather").parse('{"city":  "Oslo"}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    content, calls = ToolChoice(TOOLS, "required").parse(
+        '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Rome"}
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>')
+    content, calls = ToolChoice(TOOLS, "auto").parse(text)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"} and json.loads(calls[1].arguments) == {"zone": "CET"}
+    assert ToolChoice(TOOLS, "auto").parse("It is sunny.") == ("It is sunny.", [])
+    assert ToolChoice(TOOLS, "auto").parse("<tool_call>not json</tool_call>")[1] == []
+    body = calls[0].body(0)
+    assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("text", [
+    "Plain answer, no call at all.",
+    "Let me look. <tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}) + "\n</tool_call>",
+    "<tool_call>" + json.dumps({"name": "get_time", "arguments": {}}) + "</tool_call>",
+    "Text with a < sign and <tool_ that never becomes a call.",
+])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streamed_deltas_carry_what_the_whole_output_says(text, step):
+    choice = ToolChoice(TOOLS, "auto")
+    stream = ToolStream(choice)
+    sent = "".join(stream.content(text[i:i + step]) for i in range(0, len(text), step))
+    rest, calls = stream.finish()
+    content, expected_calls = choice.parse(text)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected_calls]
+    if expected_calls:
+        assert (sent + rest).strip() == (content or "")
+        assert "<tool_call>" not in sent
+    else:
+        assert sent + rest == text
+
+
+def test_constrained_streams_send_nothing_until_the_end():
+    stream = ToolStream(ToolChoice(TOOLS, "named", "get_time"))
+    assert stream.content('{"zone": ') == "" and stream.content('"UTC"}') == ""
+    rest, calls = stream.finish()
+    assert rest == "" and calls[0].name == "get_time" and json.loads(calls[0].arguments) == {"zone": "UTC"}
