@@ -210,7 +210,7 @@ class LLMEngine:
         """One target pass over the layout's tokens, proposers drafting ahead meanwhile:
         logits [R, V], hidden states ([T, H'] when proposers read features, [R, H'] when
         they read hidden states, else None), and (start, end) of the pass."""
-        want_hidden = "all" if self.pool.wants_features else self.pool.wants_hidden
+        want_hidden = self.pool.hidden_for(layout)
         drafting_ahead = self.pool.draft_ahead(layout)
         verify_start = time.perf_counter()
         try:

@@ -90,6 +90,15 @@ class ProposerPool:
     def wants_features(self) -> bool:
         return any(p.needs_features for p in self.proposers.values())
 
+    def hidden_for(self, layout: VerifyLayout) -> bool | str:
+        """What a step's target pass returns besides logits: "all" (every token's hidden
+        states) when one of its sequences feeds features to its proposer, True (the logits
+        rows') when a loaded proposer reads hidden states, else False. Steps without such
+        sequences keep the compiled decode step, whatever else is loaded."""
+        if self.wants_features and any(self.needs_features(seq.speculator) for seq in layout.seqs):
+            return "all"
+        return self.wants_hidden
+
     @property
     def wants_hidden(self) -> bool:
         return self.wants_features or any(p.needs_hidden_states for p in self.proposers.values())
@@ -199,7 +208,7 @@ class ProposerPool:
         rows when features are not wanted)."""
         if not self.wants_last_outputs:
             return
-        if self.wants_features:
+        if self.hidden_for(layout) == "all":
             by_seq = dict(zip(layout.sampled, verdicts))
             for i, seq in enumerate(layout.seqs):
                 if self.needs_features(seq.speculator):
