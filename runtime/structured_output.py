@@ -33,6 +33,7 @@ import torch
 from runtime.draft_tree import DraftTree
 from runtime.sampling_params import GuidedSpec
 
+
 def _ebnf_string(text: str) -> str:
     """text as an EBNF string literal (JSON's escapes are the grammar's)."""
     return json.dumps(text, ensure_ascii=False)

@@ -109,10 +109,12 @@ def test_outputs_validate_and_speculation_keeps_them(engine, schema):
     assert all(text == sampled_texts["none"] for text in sampled_texts.values()), sampled_texts
 
 
+NAME_AGE = r"[A-Z][a-z]+ [A-Z][a-z]+, \d{2}"
+
+
 @pytest.mark.parametrize("spec, check, max_tokens", [
     (GuidedSpec("choice", ["positive", "negative", "neutral"]), lambda t: t in ("positive", "negative", "neutral"), 8),
-    (GuidedSpec("regex", r"[A-Z][a-z]+ [A-Z][a-z]+, \d{2}"), lambda t: re.fullmatch(r"[A-Z][a-z]+ [A-Z][a-z]+, \d{2}", t),
-     30),
+    (GuidedSpec("regex", NAME_AGE), lambda t: re.fullmatch(NAME_AGE, t), 30),
     (GuidedSpec("grammar", 'root ::= "Name: " name "\\nAge: " [0-9]+\nname ::= [A-Za-z ]+'),
      lambda t: re.fullmatch(r"Name: [A-Za-z ]+\nAge: [0-9]+", t), 60),
 ], ids=["choice", "regex", "grammar"])

@@ -192,7 +192,8 @@ def test_a_conversation_with_earlier_calls_and_their_results(server):
     c = client(server[0])
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     response = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
                                          max_tokens=12)

@@ -35,7 +35,8 @@ def test_parsing_finished_outputs():
     content, calls = ToolChoice(TOOLS, "named", "get_weather").parse('{"city":  "Oslo"}')
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
     content, calls = ToolChoice(TOOLS, "required").parse(
-        '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]')
+        '[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
     assert json.loads(calls[1].arguments) == {"city": "Rome"}
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -51,7 +52,8 @@ def test_parsing_finished_outputs():
 
 @pytest.mark.parametrize("text", [
     "Plain answer, no call at all.",
-    "Let me look. <tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}) + "\n</tool_call>",
+    "Let me look. <tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+    + "\n</tool_call>",
     "<tool_call>" + json.dumps({"name": "get_time", "arguments": {}}) + "</tool_call>",
     "Text with a < sign and <tool_ that never becomes a call.",
 ])
