@@ -9,7 +9,9 @@ Each input line is a JSON object with either
                 model's chat template,
 and optionally "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
 "speculator" and "num_speculative_tokens", which override the command-line flags for
-that line. Every other key (an "id", say) is copied
+that line, and one of "guided_json" (a JSON schema), "guided_regex", "guided_choice" (a
+list of strings) and "guided_grammar" (EBNF), which hold the output to it
+(runtime.structured_output). Every other key (an "id", say) is copied
 to the output line, which adds
     "text", "token_ids", "finish_reason" ("stop" | "length"), and
     "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics).
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from runtime.config import ENGINE_ARGS, add_engine_args
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import GuidedSpec, SamplingParams
 
 if TYPE_CHECKING:
     from runtime.llm import LLM
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 # Keys an input line may use to set its own sampling; they override the flags.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculator",
                  "num_speculative_tokens")
+GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # one, at most
 PROMPT_KEYS = ("prompt", "messages")
 OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
 
@@ -56,7 +59,8 @@ EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EPILOG = """\
 input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
               optionally with max_tokens, temperature, top_p, top_k, seed, stop,
-              speculator, num_speculative_tokens (they override the flags); other keys
+              speculator, num_speculative_tokens (they override the flags), and one of
+              guided_json, guided_regex, guided_choice, guided_grammar; other keys
               (e.g. "id") are copied to the output.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
               (ttft_s, tpot_s, e2e_s, num_tokens, ...), in input order.
@@ -230,13 +234,18 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
         raise LineError(f"key {reserved[0]!r} is reserved for the output")
 
     overrides = {k: record[k] for k in SAMPLING_KEYS if k in record}
+    guided = [k for k in GUIDED_KEYS if k in record]
+    if len(guided) > 1:
+        raise LineError(f"asks for {' and '.join(guided)}; one constraint a line")
     try:
+        if guided:
+            overrides["guided"] = GuidedSpec(guided[0].removeprefix("guided_"), record[guided[0]])
         params = dataclasses.replace(defaults, **overrides)
         llm.engine.check_params(params)
         token_ids = llm.engine.prompt_token_ids(prompt)
     except (TypeError, ValueError) as e:
         raise LineError(str(e)) from None
-    carried = {k: v for k, v in record.items() if k not in PROMPT_KEYS and k not in SAMPLING_KEYS}
+    carried = {k: v for k, v in record.items() if k not in (*PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS)}
     return Job(token_ids, params, carried)
 
 

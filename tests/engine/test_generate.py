@@ -103,3 +103,24 @@ def test_missing_model_exits_2_with_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "/nonexistent" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_lines_may_hold_their_output_to_a_constraint(llm, tmp_path):
+    """guided_choice and guided_json lines keep to them; a regex that does not compile, and
+    two constraints on one line, are skipped lines."""
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 12}},
+              "required": ["capital"], "additionalProperties": False}
+    src, dst = tmp_path / "guided.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in [
+        {"id": 1, "messages": MESSAGES, "guided_choice": ["Paris", "Lyon"]},
+        {"id": 2, "messages": MESSAGES, "guided_json": schema, "max_tokens": 24},
+        {"id": 3, "prompt": "Hi", "guided_regex": "(abc"},
+        {"id": 4, "prompt": "Hi", "guided_regex": "a", "guided_choice": ["a"]}]) + "\n")
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        code = main(["--input", str(src), "--output", str(dst), "--max-tokens", "8", "--temperature", "0",
+                     *ENGINE_ARGS], llm=llm)
+    first, second = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert code == 1 and first["text"] in ("Paris", "Lyon") and "guided_choice" not in first
+    assert second["finish_reason"] == "stop" and set(json.loads(second["text"])) == {"capital"}
+    skipped = [line.split(": skipped: ")[1] for line in stderr.getvalue().splitlines() if ": skipped: " in line]
+    assert "regex does not compile" in skipped[0] and "one constraint a line" in skipped[1], skipped
