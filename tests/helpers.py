@@ -107,3 +107,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def save_random_medusa_heads(model, directory):
+    """Medusa heads (3 heads, 1 layer each) with small random weights for `model`, saved; their directory."""
+    from speculators.medusa import MedusaHeads, save_heads
+    torch.manual_seed(3)
+    cfg = model.config
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, model.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return save_heads(heads, directory)

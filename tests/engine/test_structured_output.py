@@ -19,14 +19,12 @@ import re
 
 import jsonschema
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.models.loader import DEFAULT_MODEL
 from runtime.sampling_params import GuidedSpec, SamplingParams
-from speculators.medusa import MedusaHeads, save_heads
-from tests.helpers import new_engine
+from tests.helpers import new_engine, save_random_medusa_heads
 
 SPECULATORS = ["none", "ngram", "lookahead", "draft", "eagle", "medusa"]
 ONE_HOT = ["none", "ngram", "lookahead", "eagle", "medusa"]
@@ -36,12 +34,7 @@ PERSON = [{"role": "user", "content": "Extract the person as JSON: Maria Lopez, 
 
 @pytest.fixture(scope="module")
 def engine(engine_f32, tmp_path_factory):
-    torch.manual_seed(3)
-    cfg = engine_f32.model.config
-    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, engine_f32.model.lm_head)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    heads_dir = save_heads(heads, tmp_path_factory.mktemp("medusa"))
+    heads_dir = save_random_medusa_heads(engine_f32.model, tmp_path_factory.mktemp("medusa"))
     engine = new_engine(draft_model=DEFAULT_MODEL, draft_device="cpu", draft_dtype="float32",
                         medusa_heads=str(heads_dir), adaptive_speculation=False)
     yield engine

@@ -32,7 +32,7 @@ from training.common import Sample, dense_causal_attention, draft_vocabulary
 from training.medusa import (evaluate_medusa, medusa_data, medusa_labels, step_acceptance, train_medusa,
                              tree_acceptance)
 from runtime.draft_tree import DraftTree
-from tests.helpers import greedy
+from tests.helpers import greedy, save_random_medusa_heads
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -328,12 +328,7 @@ def trained_heads(engine_f32, plain_outputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def random_heads(engine_f32, tmp_path_factory):
-    torch.manual_seed(3)
-    cfg = engine_f32.model.config
-    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, engine_f32.model.lm_head)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    return save_heads(heads, tmp_path_factory.mktemp("medusa") / "random")
+    return save_random_medusa_heads(engine_f32.model, tmp_path_factory.mktemp("medusa") / "random")
 
 
 @pytest.fixture
