@@ -11,6 +11,11 @@ put the likelier child first.
 the siblings drawn before it (for draws without replacement: q with those siblings
 zeroed and renormalised). Without it a node is a one-hot proposal (q = indicator), which
 keeps rejection sampling exact for deterministic proposers (n-gram, lookahead).
+
+The last `num_forced` nodes, when a request keeps to a grammar, were not proposed: they
+are what the grammar forces after a path (runtime.structured_output), so the target's
+masked law there is one-hot and they are accepted whenever their path is. They are
+counted apart, so that they say nothing of how well the proposer drafts.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class DraftTree:
     token_ids: list[int]  # [n]
     parents: list[int]  # [n], -1 = the last committed token
     draft_probs: torch.Tensor | None = None  # [n, V] float32, or None (one-hot proposals)
+    num_forced: int = 0  # the last nodes, forced by the request's grammar (the module docstring)
     depths: list[int] = field(init=False)  # [n], children of the root have depth 1
 
     def __post_init__(self) -> None:
@@ -37,6 +43,8 @@ class DraftTree:
         self.depths = depths
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} nodes")
+        if not 0 <= self.num_forced <= len(self.token_ids):
+            raise ValueError(f"{self.num_forced} forced nodes in a tree of {len(self.token_ids)}")
 
     @classmethod
     def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
@@ -60,7 +68,13 @@ class DraftTree:
         if num_nodes >= len(self):
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
-        return DraftTree(self.token_ids[:num_nodes], self.parents[:num_nodes], probs)
+        return DraftTree(self.token_ids[:num_nodes], self.parents[:num_nodes], probs,
+                         max(0, self.num_forced - (len(self) - num_nodes)))
+
+    @property
+    def num_proposed(self) -> int:
+        """The nodes the proposer drafted (the first ones)."""
+        return len(self) - self.num_forced
 
     def children(self) -> list[list[int]]:
         """children[0] = the root's children, children[i + 1] = node i's; each in node order."""

@@ -272,8 +272,7 @@ class LLMEngine:
         num_accepted = len(verdict.accepted_nodes)
         seq.num_computed_tokens += num_accepted
         seq.metrics.record_verification(len(tree), num_accepted)
-        self.pool.controller.observe_verdict(seq.request_id, num_accepted, verdict.kind == "recovered")
-        self.pool.controller.observe_tree(seq.request_id, tree.depths, verdict.accepted_nodes)
+        self.pool.observe_verdict(seq, tree, verdict)
         self.stats.record_verification(len(tree), num_accepted, bonus=verdict.kind == "bonus")
 
     def _emit(self, seq: Sequence, verdict: Verdict, logprobs: list[TokenLogprobs] | None) -> RequestOutput:

@@ -18,7 +18,7 @@ import torch
 from runtime.circuit_breaker import CircuitBreaker
 from runtime.sequence import Sequence
 from runtime.speculation import SpeculationController
-from runtime.verify_layout import VerifyLayout
+from runtime.verify_layout import EMPTY_TREE, VerifyLayout
 from speculators import ProposalRequest, Proposer, TargetInfo, build_proposer
 
 log = logging.getLogger("runtime.proposer_pool")
@@ -145,6 +145,9 @@ class ProposerPool:
             if budget > 0:
                 groups.setdefault(seq.speculator, []).append((seq, budget))
         depths = [self._propose_group(name, group) for name, group in groups.items()]
+        for seq, cap in capped:
+            if seq.constraint is not None:
+                self._force(seq, cap)
         self.proposed_at = time.perf_counter()
         depth = max((d for d, _ in depths), default=0)
         if depth:
@@ -175,6 +178,17 @@ class ProposerPool:
                 depth = max(depth, seq.draft_tree.max_depth)
                 total += seq.draft_tree.max_depth
         return depth, total
+
+    @staticmethod
+    def _force(seq: Sequence, cap: int) -> None:
+        """Add to seq's draft what its grammar forces after each path, within its cap (even
+        when the controller gave it no drafts: a forced token is accepted whenever its path
+        is, for one more verified row)."""
+        tree = seq.draft_tree or EMPTY_TREE
+        extended = seq.constraint.extend(tree, max_depth=cap, max_new=cap)
+        if len(extended) > len(tree):
+            seq.metrics.num_forced_draft_tokens += len(extended) - len(tree)
+            seq.draft_tree = extended
 
     def draft_ahead(self, layout: VerifyLayout) -> list:
         """Let proposers with their own worker keep drafting while the target verifies;
@@ -221,6 +235,12 @@ class ProposerPool:
             row = layout.kept_logit_rows(k, verdict.accepted_nodes)[-1]
             seq.last_logits = logits[row].clone()
             seq.last_hidden = None if final is None else final[row].clone()
+
+    def observe_verdict(self, seq: Sequence, tree, verdict) -> None:
+        """Tell the controller how seq's proposer did: the tree's forced nodes aside."""
+        proposed = [node for node in verdict.accepted_nodes if node < tree.num_proposed]
+        self.controller.observe_verdict(seq.request_id, len(proposed), verdict.kind == "recovered")
+        self.controller.observe_tree(seq.request_id, tree.depths[:tree.num_proposed], proposed)
 
     def tell(self, seq: Sequence, hook: str, *args) -> None:
         """Call seq's proposer's bookkeeping hook (on_accepted, release); a failure there

@@ -41,6 +41,7 @@ class RequestMetrics:
     num_target_forwards: int = 0  # target passes this request took part in (prefill chunks included)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when it was first scheduled
     num_pruned_draft_tokens: int = 0  # draft nodes its grammar forbade, dropped before verification
+    num_forced_draft_tokens: int = 0  # draft nodes its grammar forced (runtime.draft_tree), counted in the drafts too
 
     @property
     def ttft_s(self) -> float | None:
@@ -86,6 +87,7 @@ class RequestMetrics:
                 "accepted_per_position": list(self.accepted_per_position),
                 "num_target_forwards": self.num_target_forwards, "num_cached_tokens": self.num_cached_tokens,
                 "num_pruned_draft_tokens": self.num_pruned_draft_tokens,
+                "num_forced_draft_tokens": self.num_forced_draft_tokens,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
 
 

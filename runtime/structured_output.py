@@ -7,8 +7,11 @@ lossless.
   xgrammar; a spec that does not compile is a ValueError naming the problem (a 400).
 - `Constraint` (one per sequence) is the grammar's state after the sequence's committed
   output. Before a step is scheduled it prunes the draft nodes the grammar forbids after
-  their path, with their subtrees (they cost no target work, and are counted); at
-  verification it gives the allowed tokens at the root and at every node, advancing the
+  their path, with their subtrees (they cost no target work, and are counted), then
+  extends the draft with what the grammar forces after each path (jump-forward decoding
+  as drafting: the forced text in the tokenizer's own tokens, which the target's masked
+  law accepts for sure where it is one-hot, and verifies as any draft where the grammar
+  allows another split of the same text); at verification it gives the allowed tokens at the root and at every node, advancing the
   state along each node's path and rolling it back; after the step it advances by the
   committed tokens. Once the grammar is complete and has taken its stop token, the
   sequence is done ("stop").
@@ -82,14 +85,19 @@ class Grammars:
 
     def constraint(self, spec: GuidedSpec) -> Constraint:
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return Constraint(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.encode)
+
+    def encode(self, text: str) -> list[int]:
+        """text in the tokenizer's own tokens (the split the model learned)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 class Constraint:
-    """One sequence's grammar state (the module docstring); not thread-safe, as sequences are not."""
+    """One sequence's grammar state (the module docstring); not thread-safe, as sequences are
+    not. encode (text -> token ids) drafts forced text; without it nothing is forced."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, encode=None):
+        self.matcher, self.vocab_size, self.encode = matcher, vocab_size, encode
 
     @property
     def is_finished(self) -> bool:
@@ -120,6 +128,53 @@ class Constraint:
         index = {node: i for i, node in enumerate(kept)}
         probs = None if tree.draft_probs is None else tree.draft_probs[kept]
         return DraftTree([tree.token_ids[n] for n in kept], [index.get(tree.parents[n], -1) for n in kept], probs)
+
+    def extend(self, tree: DraftTree, max_depth: int, max_new: int) -> DraftTree:
+        """tree (pruned) with the tokens the grammar forces after each leaf, or after the
+        root when it is empty: chains appended as its last nodes (tree.num_forced), no path
+        deeper than max_depth, at most max_new in all; their draft law, where the tree has
+        draft probabilities, is one-hot."""
+        if self.encode is None or max_new <= 0:
+            return tree
+        children = tree.children()
+        token_ids, parents = list(tree.token_ids), list(tree.parents)
+
+        def walk(node: int, depth: int) -> None:
+            if self.matcher.is_terminated():
+                return
+            kids = children[node + 1]
+            if not kids:  # a leaf: its forced chain
+                for token in self.forced_tokens(min(max_depth - depth, max_new - len(token_ids) + len(tree))):
+                    token_ids.append(token)
+                    parents.append(node)
+                    node = len(token_ids) - 1
+            for child in kids:
+                if self.matcher.accept_token(tree.token_ids[child]):  # pruned trees: always
+                    walk(child, depth + 1)
+                    self.matcher.rollback(1)
+        walk(-1, 0)
+        num_new = len(token_ids) - len(tree)
+        if not num_new:
+            return tree
+        probs = tree.draft_probs
+        if probs is not None:
+            one_hot = torch.zeros(num_new, probs.shape[1], dtype=probs.dtype, device=probs.device)  # [k, V]
+            one_hot[torch.arange(num_new), torch.tensor(token_ids[len(tree):])] = 1.0
+            probs = torch.cat([probs, one_hot])
+        return DraftTree(token_ids, parents, probs, tree.num_forced + num_new)
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to limit tokens of the text the grammar forces from here, in the tokenizer's
+        split, as far as the grammar takes them; the state is left as it was."""
+        text = self.matcher.find_jump_forward_string() if limit > 0 else ""
+        taken: list[int] = []
+        for token in self.encode(text)[:limit] if text else ():
+            if not self.matcher.accept_token(token):
+                break
+            taken.append(token)
+        if taken:
+            self.matcher.rollback(len(taken))
+        return taken
 
     def fill(self, bitmask: torch.Tensor, row: int, tree: DraftTree) -> list[int]:
         """The allowed tokens at the root (bitmask row `row`) and at node i (row + 1 + i),
@@ -176,5 +231,6 @@ def mask_logits(logits: torch.Tensor, seqs: list, trees: list[DraftTree],
             continue
         allowed = allowed_tokens(bitmask, list(range(root, root + 1 + len(tree))), tree.draft_probs.shape[1])
         q = tree.draft_probs * allowed[torch.tensor(tree.parents) + 1].to(tree.draft_probs.device)  # [n, V]
-        trees[k] = DraftTree(tree.token_ids, tree.parents, q / q.sum(-1, keepdim=True).clamp_min(1e-30))
+        trees[k] = DraftTree(tree.token_ids, tree.parents, q / q.sum(-1, keepdim=True).clamp_min(1e-30),
+                             tree.num_forced)
     return trees

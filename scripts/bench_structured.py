@@ -7,8 +7,10 @@ greedy, each request stopping at EOS or --max-tokens. Reported per row: decode t
 tokens after the first over the time after the first: the prompts are the same in every
 row, the outputs' lengths are not; the median of --repeats interleaved rounds), tokens per
 verify step, the outputs that parse and validate against their schema and those max_tokens
-cut, and the grammar's own cost per output token (masks, pruning and advancing the matcher,
-timed around runtime.structured_output's calls).
+cut, the draft tokens the grammar forced per output token, whether the outputs are those of
+the same constraint without speculation, and the grammar's own cost per output token
+(masks, pruning, forced drafts and advancing the matcher, timed around
+runtime.structured_output's calls).
 
 Targets (issue 38): constrained decoding with speculation >= 0.95x free decoding with the
 same speculator, and >= 1.5x constrained decoding without speculation.
@@ -68,13 +70,15 @@ class Row(NamedTuple):
 
 
 class GrammarClock:
-    """Seconds spent in the grammar's calls: masks (in the sampler), pruning and advancing."""
+    """Seconds spent in the grammar's calls: masks (in the sampler), pruning, forced drafts
+    and advancing."""
 
     def __init__(self):
         self.seconds = 0.0
         timed = self._timed
         rejection_sampler.mask_logits = timed(rejection_sampler.mask_logits)
         Constraint.prune = timed(Constraint.prune)
+        Constraint.extend = timed(Constraint.extend)
         Constraint.accept = timed(Constraint.accept)
 
     def _timed(self, fn):
@@ -115,9 +119,10 @@ def main(argv=None) -> None:
     validity: dict[Row, list[bool]] = {}
     cut: dict[Row, list[bool]] = {}  # whether max_tokens cut each prompt's output
     grammar_s: dict[Row, list[float]] = {}
+    forced: dict[Row, float] = {}  # forced draft tokens per output token, the last round
 
     def run(row: Row, measure) -> None:
-        tokens, seconds, outputs, checks, cuts, spent = 0, 0.0, [], [], [], 0.0
+        tokens, seconds, outputs, checks, cuts, spent, num_forced = 0, 0.0, [], [], [], 0.0, 0
         for text, schema in TASKS:
             params = greedy(args.max_tokens, speculator=row.speculator,
                             guided=GuidedSpec("json", schema) if row.constrained else None)
@@ -133,9 +138,10 @@ def main(argv=None) -> None:
             outputs.append(result.token_ids)
             checks.append(valid(result.text, schema))
             cuts.append(result.finish_reason == "length")
+            num_forced += metrics.num_forced_draft_tokens
             measure.add_metrics([result])
         measure.add_round(tokens, seconds, outputs)
-        validity[row], cut[row] = checks, cuts
+        validity[row], cut[row], forced[row] = checks, cuts, num_forced / max(len(outputs) + tokens, 1)
         grammar_s.setdefault(row, []).append(spent / max(tokens, 1))
 
     def warm(row: Row) -> None:
@@ -150,16 +156,20 @@ def main(argv=None) -> None:
         plain = measures.get(Row(True, "none"))
         table.append([row.label, f"{m.rate:.1f}", f"{m.acceptance_length:.2f}" if m.acceptance_length else "-",
                       f"{sum(validity[row])}/{len(TASKS)}", sum(cut[row]),
+                      f"{forced[row]:.2f}" if row.constrained else "-",
+                      m.same_outputs(plain) if row.constrained and row.speculator != "none" else "-",
                       f"{median(grammar_s[row]) * 1e6:.0f}" if row.constrained else "-",
                       ratio(m.rate, free.rate) if row.constrained else "-",
                       ratio(m.rate, plain.rate) if row.constrained and plain is not None else "-"])
         report.data[row.label] = {**m.summary(), "valid": sum(validity[row]), "prompts": len(TASKS),
-                                  "cut": sum(cut[row]),
+                                  "cut": sum(cut[row]), "forced_per_token": forced[row] if row.constrained else None,
+                                  "same_as_schema_none": m.same_outputs(plain) if row.constrained else None,
                                   "grammar_us_per_token": median(grammar_s[row]) * 1e6 if row.constrained else None}
     report.line(f"{args.model}, default settings, single stream, greedy, {len(TASKS)} extraction prompts, "
                 f"max {args.max_tokens} tokens, median of {args.repeats} rounds")
     report.line()
-    report.table(["row", "decode tok/s", "tokens/step", "valid JSON", "cut by max_tokens", "grammar µs/token",
+    report.table(["row", "decode tok/s", "tokens/step", "valid JSON", "cut by max_tokens", "forced drafts/token",
+                  "same as schema / none", "grammar µs/token",
                   "vs free, same speculator", "vs schema / none"], table)
     report.write()
 

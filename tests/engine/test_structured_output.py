@@ -8,7 +8,8 @@ for itself, with draft probabilities), EAGLE (the shipped head) and Medusa (rand
   every speculator as without (lossless); seeded sampled outputs too for the one-hot
   proposers (their coupled verification draws one token per emitted token).
 - Choices, regexes and EBNF grammars hold, with speculation; drafts the grammar forbids
-  are pruned (counted) before they reach verification.
+  are pruned (counted) before they reach verification; the text the grammar forces is
+  drafted (counted), for every proposer, and the outputs stay those of plain decoding.
 - A grammar that cannot finish within max_tokens ends with "length", the others in the
   batch go on.
 """
@@ -138,6 +139,23 @@ def test_forbidden_drafts_are_pruned_before_verification(engine):
                                                speculator="lookahead", num_speculative_tokens=6)])
     assert json.loads(out.text)["age"] == 34
     assert out.metrics.num_pruned_draft_tokens > 0 and out.metrics.num_draft_tokens > 0, out.metrics
+
+
+def test_forced_text_is_drafted_for_every_proposer(engine):
+    """The schema's keys and punctuation are forced: drafted for every proposer, even where it
+    drafts nothing; the target then runs fewer passes, the greedy output is plain decoding's."""
+    schema = {"type": "object", "properties": {"full_name": {"type": "string"}, "years_of_age": {"type": "integer"},
+                                               "place_of_residence": {"type": "string"}},
+              "required": ["full_name", "years_of_age", "place_of_residence"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=80, guided=GuidedSpec("json", schema), speculator=s)
+              for s in SPECULATORS]
+    outputs = run(engine, PERSON, params)
+    plain = outputs[0]
+    assert plain.metrics.num_forced_draft_tokens == 0 and json.loads(plain.text)["years_of_age"] == 34
+    for p, out in zip(params[1:], outputs[1:]):
+        assert out.text == plain.text, (p.speculator, out.text)
+        assert out.metrics.num_forced_draft_tokens >= 10, (p.speculator, out.metrics)
+        assert out.metrics.num_target_forwards < plain.metrics.num_target_forwards, (p.speculator, out.metrics)
 
 
 def test_a_grammar_cut_short_by_max_tokens_ends_with_length(engine):

@@ -11,6 +11,10 @@
   probabilities: the emitted pair must follow masked target sampling, p(d1) p(d2 | d1)
   with each factor renormalised over the digits (Pearson chi-square and total variation).
   It caught verification against the draft's unmasked law, which biases the output;
+- forced text: after each leaf the grammar's forced text is drafted in the tokenizer's
+  split (one-hot draft law, counted as forced), within the depth and count limits; under
+  [0-9](ab)[0-9], where "ab" may come as one token or as "a", "b", the emitted token
+  sequences still follow masked target sampling with the forced drafts added;
 - GuidedSpec's checks, and a spec that does not compile is a ValueError naming the problem.
 """
 from __future__ import annotations
@@ -37,8 +41,18 @@ def compiler():
     return xgr.GrammarCompiler(info)
 
 
-def constraint(compiler, regex: str) -> Constraint:
-    return Constraint(xgr.GrammarMatcher(compiler.compile_regex(regex)), V)
+def encode(text: str) -> list[int]:
+    """The toy tokenizer: longest vocabulary match first ("ab" is one token)."""
+    tokens = []
+    while text:
+        piece = max((v for v in VOCAB[:EOS] if text.startswith(v)), key=len)
+        tokens.append(VOCAB.index(piece))
+        text = text[len(piece):]
+    return tokens
+
+
+def constraint(compiler, regex: str, forcing: bool = False) -> Constraint:
+    return Constraint(xgr.GrammarMatcher(compiler.compile_regex(regex)), V, encode if forcing else None)
 
 
 def allowed_after(compiler, regex: str, path: list[int]) -> set[int] | None:
@@ -97,6 +111,28 @@ def test_each_rows_mask_is_what_the_grammar_allows_after_its_path(compiler):
     assert c.matcher.accept_token(9) and not c.matcher.accept_token(9)  # still right after "ab"
 
 
+FORCING = "[0-9]ab[0-9]ab"
+
+
+def test_forced_text_is_drafted_after_each_leaf(compiler):
+    c = constraint(compiler, FORCING, forcing=True)
+    assert len(c.extend(DraftTree([], []), 5, 5)) == 0  # a digit comes first: nothing forced
+    tree = DraftTree([3, 4, 10], [-1, -1, 1], torch.full((3, V), 1.0 / V))  # "3", "4", "4a"
+    extended = c.extend(tree, max_depth=4, max_new=4)
+    # "3" + "ab" (one token: the tokenizer's split), "4a" + "b"; then a digit: free
+    assert extended.token_ids == [3, 4, 10, 12, 11] and extended.parents == [-1, -1, 1, 0, 2]
+    assert extended.num_forced == 2 and extended.num_proposed == 3
+    assert torch.equal(extended.draft_probs[:3], tree.draft_probs)
+    assert torch.equal(extended.draft_probs[3:], torch.eye(V)[[12, 11]])  # their law: one-hot
+    assert c.extend(tree, max_depth=4, max_new=1).token_ids == [3, 4, 10, 12]  # the count
+    assert c.extend(tree, max_depth=1, max_new=4) is tree  # the depth: every leaf is deep enough
+    c.accept(5)
+    chain = c.extend(DraftTree([], []), max_depth=3, max_new=3)
+    assert chain.token_ids == [12] and chain.parents == [-1] and chain.num_forced == 1
+    assert chain.truncated(0).num_forced == 0
+    assert c.matcher.accept_token(10) and not c.matcher.accept_token(3)  # left right after "5"
+
+
 # ---- the output law under a constraint ---------------------------------------------------------
 
 def toy_logits(path: list[int]) -> torch.Tensor:
@@ -148,22 +184,22 @@ def draw_tree(committed: list[int], shape: str, with_probs: bool, gen: torch.Gen
     return DraftTree(tokens, parents, torch.stack(rows).float() if with_probs else None)
 
 
-def emit_pair(compiler, sampler, shape: str, with_probs: bool, gen: torch.Generator) -> tuple[int, int]:
-    """Decode under [0-9][0-9] as the engine does (propose, prune, mask, verify, commit)
-    until two tokens are out."""
-    c = constraint(compiler, "[0-9][0-9]")
+def emit(compiler, sampler, regex: str, shape: str, with_probs: bool, gen: torch.Generator) -> tuple:
+    """Decode under regex as the engine does (propose, prune, extend by forced text, mask,
+    verify, commit) until the grammar is complete; the tokens out."""
+    c = constraint(compiler, regex, forcing=True)
     seq = type("Seq", (), {"constraint": c, "params": SamplingParams(temperature=1.0), "generator": gen})()
     out: list[int] = []
-    while len(out) < 2:
-        tree = c.prune(draw_tree(out, shape, with_probs, gen))
+    while not c.matcher.is_completed():
+        tree = c.extend(c.prune(draw_tree(out, shape, with_probs, gen)), max_depth=4, max_new=4)
         logits = torch.stack([toy_logits(out)] + [toy_logits(out + path_of(tree, n)) for n in range(len(tree))])
         layout = VerifyLayout([seq], [1], [tree], [True], [0], [0], root_rows([tree]))
         verdict = sampler.verify(logits, layout)[0]
         for token in verdict.token_ids:
-            if len(out) < 2:
+            if not c.matcher.is_completed():
                 c.accept(token)
                 out.append(token)
-    return out[0], out[1]
+    return tuple(out)
 
 
 @pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "one_hot"])
@@ -172,12 +208,37 @@ def test_constrained_speculation_samples_the_masked_target(compiler, shape, with
     gen, sampler = torch.Generator().manual_seed(7), RejectionSampler(0)
     counts = torch.zeros(V, V)
     for _ in range(6000):
-        counts[emit_pair(compiler, sampler, shape, with_probs, gen)] += 1
+        counts[emit(compiler, sampler, "[0-9][0-9]", shape, with_probs, gen)] += 1
     expected = masked_probs([])[:, None] * torch.stack([masked_probs([d]) for d in range(V)])  # [V, V]
     label = f"{shape} {'with' if with_probs else 'without'} draft probabilities"
     assert_fits(counts.sum(1), masked_probs([]), f"{label}: first token")
     assert_fits(counts[:10], torch.stack([masked_probs([d]) for d in range(10)]), f"{label}: second given first")
     assert_close_in_total_variation(counts, expected, f"{label}: pairs")
+
+
+def split_law() -> torch.Tensor:
+    """Masked target sampling under [0-9](ab)[0-9]: [10, 2, 10] over (first digit, "ab" as
+    one token or as "a" "b", last digit)."""
+    law = torch.zeros(10, 2, 10, dtype=torch.float64)
+    for d1, p1 in enumerate(masked_probs([]).tolist()[:10]):
+        split = torch.softmax(toy_logits([d1])[[12, 10]].double(), -1)  # after d1: "ab" or "a" (then "b", forced)
+        for s, path in enumerate(([d1, 12], [d1, 10, 11])):
+            law[d1, s] = p1 * split[s] * masked_probs(path)[:10]
+    return law
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "one_hot"])
+def test_forced_drafts_keep_the_masked_target_law(compiler, with_probs):
+    gen, sampler = torch.Generator().manual_seed(8), RejectionSampler(0)
+    counts = torch.zeros(10, 2, 10)
+    for _ in range(6000):
+        out = emit(compiler, sampler, "[0-9](ab)[0-9]", "chain", with_probs, gen)
+        counts[out[0], int(out[1] == 10), out[-1]] += 1
+    law, label = split_law(), f"forced drafts {'with' if with_probs else 'without'} draft probabilities"
+    assert_fits(counts.sum((1, 2)), law.sum((1, 2)), f"{label}: first digit")
+    assert_fits(counts.sum((0, 2)), law.sum((0, 2)), f"{label}: the split of ab")
+    assert_fits(counts.sum((0, 1)), law.sum((0, 1)), f"{label}: last digit")
+    assert_close_in_total_variation(counts, law, f"{label}: sequences")
 
 
 # ---- specs ---------------------------------------------------------------------------------------
