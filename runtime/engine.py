@@ -37,7 +37,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats, StepTiming
-from runtime.structured_output import Grammars
+from runtime.structured_output import Grammars, StepMasks
 from runtime.verify_layout import VerifyLayout
 from speculators import TargetInfo
 from target_gpu.kv_cache import num_kv_blocks
@@ -198,8 +198,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         layout = VerifyLayout.of(batch)
+        masks = StepMasks.of(layout, self.device)  # grammar masks (filled while a GPU target runs)
         logits, hidden, verify_span = self._verify(layout)
-        verdicts = self.sampler.verify(logits, layout)
+        verdicts = self.sampler.verify(logits, layout, masks)
         logprobs = layout_logprobs(layout, verdicts, logits)
         self.pool.keep_target_outputs(layout, verdicts, logits, hidden)
         outputs = self._commit(layout, verdicts, logprobs)

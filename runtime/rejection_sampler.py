@@ -32,7 +32,7 @@ import torch
 
 from runtime.sampling import target_probs
 from runtime.sampling_params import SamplingParams
-from runtime.structured_output import mask_logits
+from runtime.structured_output import StepMasks
 from runtime.verify_layout import VerifyLayout, root_rows
 
 
@@ -72,11 +72,12 @@ class RejectionSampler:
         else:
             self.generator.seed()
 
-    def verify(self, logits: torch.Tensor, layout: VerifyLayout) -> list[Verdict]:
+    def verify(self, logits: torch.Tensor, layout: VerifyLayout, masks: StepMasks | None = None) -> list[Verdict]:
         """One Verdict per sampling sequence of a step's layout; logits [R, V] as it says,
-        masked in place first where a sequence keeps to a grammar (runtime.structured_output)."""
+        masked in place first where a sequence keeps to a grammar: with the layout's masks
+        (runtime.structured_output.StepMasks, filled while the target ran), else filled now."""
         seqs = layout.sampled_seqs
-        trees = mask_logits(logits, seqs, layout.sampled_trees, layout.logit_starts)
+        trees = (masks or StepMasks.of(layout, torch.device("cpu"))).apply(logits)
         return self(logits, trees, [s.params for s in seqs], [s.generator for s in seqs])
 
     def __call__(self, logits: torch.Tensor, trees: list, params: list[SamplingParams],

@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import jsonschema
 
-import runtime.rejection_sampler as rejection_sampler
 from runtime import LLM, GuidedSpec
-from runtime.structured_output import Constraint
+from runtime.structured_output import Constraint, StepMasks
 from scripts.harness import Measure, Report, add_results_args, greedy, interleaved, log, median, ratio
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -70,13 +69,15 @@ class Row(NamedTuple):
 
 
 class GrammarClock:
-    """Seconds spent in the grammar's calls: masks (in the sampler), pruning, forced drafts
-    and advancing."""
+    """Seconds the engine's thread spends in the grammar's calls: masks, pruning, forced
+    drafts and advancing (the masks filled on the grammar thread while the target runs
+    count only where the sampler waits for them)."""
 
     def __init__(self):
         self.seconds = 0.0
         timed = self._timed
-        rejection_sampler.mask_logits = timed(rejection_sampler.mask_logits)
+        StepMasks.__init__ = timed(StepMasks.__init__)  # forks the matchers (and fills, without overlap)
+        StepMasks.apply = timed(StepMasks.apply)  # waits for the grammar thread, writes the masks
         Constraint.prune = timed(Constraint.prune)
         Constraint.extend = timed(Constraint.extend)
         Constraint.accept = timed(Constraint.accept)

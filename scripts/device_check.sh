@@ -4,7 +4,7 @@
 #
 #   here, once:             bash scripts/device_check.sh prepare
 #       splits the default model's GGUF (98 MB) into two git-ignored pieces under
-#       .devicecarry/ and downloads the wheels the GPU box lacks (gguf) there too; when
+#       .devicecarry/ and downloads the wheels the GPU box lacks (gguf, xgrammar) there too; when
 #       the EAGLE-3 head models/eagle3-smollm2 exists (EAGLE_HEAD=DIR for another), a bf16
 #       copy of it (20 MB) goes with the first piece, which is then cut smaller;
 #   device call 1:          bash scripts/device_check.sh stage       carry: .devicecarry/part1
@@ -51,6 +51,14 @@ PYEOF
     sha256sum "$gguf" | cut -d' ' -f1 > "$CARRY/part2/gguf.sha256"
     $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/wheels" "gguf==$($PY -c \
         'import importlib.metadata as m; print(m.version("gguf"))')"
+    # structured output's grammar library and what it needs, for the box's Python 3.12
+    local pins
+    pins=$($PY -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in
+        ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")))')
+    # shellcheck disable=SC2086
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$CARRY/wheels" $pins
     du -sh "$CARRY"/*
 }
 

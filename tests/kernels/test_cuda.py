@@ -1,7 +1,8 @@
 """The target on a CUDA GPU, end to end (skipped without one; run by scripts/device_check.sh):
 the default model through the Triton attention backend and CUDA graphs against HF
 transformers on the same GPU (float32 greedy, token for token), graphs against eager
-steps, and speculation against plain decoding. Kernel-level checks against the PyTorch
+steps, speculation against plain decoding, and structured output under speculation
+(grammar masks filled while the GPU runs). Kernel-level checks against the PyTorch
 reference, bf16 included, are in tests/kernels/test_triton_attention.py.
 """
 from __future__ import annotations
@@ -76,6 +77,23 @@ def test_speculation_on_graphs_equals_plain(graphs_f32, hf_cuda_greedy, speculat
               adaptive_speculation=False)
     assert outputs(llm) == hf_cuda_greedy
     assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_structured_output_with_speculation_on_the_gpu(graphs_f32):
+    """A JSON schema on the GPU: the masks filled on the grammar thread while the target runs,
+    written by xgrammar's kernel for the device; speculation (with the grammar's forced
+    text) keeps plain decoding's output, and the output is the schema's."""
+    pytest.importorskip("xgrammar")
+    import json
+    from runtime import GuidedSpec, SamplingParams
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt = [{"role": "user", "content": "Extract the person as JSON: Maria Lopez, 34, is a nurse in Madrid."}]
+    plain, spec = [graphs_f32.generate([prompt], SamplingParams(temperature=0, max_tokens=60, speculator=s,
+                                                                guided=GuidedSpec("json", schema)), use_tqdm=False)[0]
+                   for s in ("none", "lookahead")]
+    assert spec.text == plain.text and spec.metrics.num_forced_draft_tokens > 0, (plain.text, spec.text)
+    assert set(json.loads(plain.text)) == {"name", "age"}
 
 
 def test_bf16_triton_logits_close_to_the_torch_backend():

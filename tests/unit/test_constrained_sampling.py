@@ -4,7 +4,8 @@
 - pruning keeps exactly the draft nodes whose path the grammar allows (checked against the
   grammar itself, node by node), with their draft probabilities, parents before children;
 - masks: each tree node's row allows exactly what the grammar allows after the node's
-  path, and the matcher is left at the committed state;
+  path, filled inline or on the grammar thread, and the matcher is left at the committed
+  state;
 - the lossless law: a toy "language model" whose logits depend on the path, decoded under
   the regex [0-9][0-9] with chain and tree drafts drawn from a proposal that often
   proposes forbidden tokens (pruned, as the engine does), with and without draft
@@ -26,7 +27,7 @@ import xgrammar as xgr
 from runtime.draft_tree import DraftTree
 from runtime.rejection_sampler import RejectionSampler
 from runtime.sampling_params import GuidedSpec, SamplingParams
-from runtime.structured_output import Constraint, mask_logits
+from runtime.structured_output import Constraint, StepMasks
 from runtime.verify_layout import VerifyLayout, root_rows
 from tests.unit.test_rejection_sampler import assert_close_in_total_variation, assert_fits
 
@@ -94,13 +95,16 @@ def test_pruning_keeps_exactly_the_allowed_paths(compiler):
     assert c.matcher.accept_token(3) and c.matcher.accept_token(4)  # left at the start
 
 
-def test_each_rows_mask_is_what_the_grammar_allows_after_its_path(compiler):
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "grammar_thread"])
+def test_each_rows_mask_is_what_the_grammar_allows_after_its_path(compiler, overlap):
     c = constraint(compiler, REGEX)
     c.accept(12)  # committed: "ab"
     tree = DraftTree([3, 11, 4, 13], [-1, 0, -1, 2])  # "ab3", "ab3b", "ab4", "ab4" + EOS (complete)
     logits = torch.zeros(2 + len(tree), V)
     seq, free = type("Seq", (), {"constraint": c})(), type("Seq", (), {"constraint": None})()
-    mask_logits(logits, [free, seq], [DraftTree([], []), tree], [0, 1])  # another sequence's row first
+    # another sequence's row first; filled on the grammar thread (as for a GPU target) or here
+    masks = StepMasks([free, seq], [DraftTree([], []), tree], [0, 1], len(logits), overlap=overlap)
+    masks.apply(logits)
     assert torch.equal(logits[0], torch.zeros(V))  # not constrained: untouched
     for row, path in enumerate([[], [3], [3, 11], [4], [4, 13]], start=1):
         seen = set(torch.nonzero(logits[row] == 0).flatten().tolist())
