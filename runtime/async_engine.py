@@ -113,6 +113,8 @@ class AsyncEngine:
     async def add_request(self, prompt: Prompt, params: SamplingParams,
                           request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request; raise its ValueError (or EngineDeadError) here, else stream its outputs."""
+        if params.guided is not None:  # compiled on a worker thread, not on the engine's loop (cached for it)
+            await asyncio.to_thread(self.engine.grammars.compile, params.guided)
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         added = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, stream, added))

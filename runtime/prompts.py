@@ -1,8 +1,11 @@
 """What a request's prompt may be, and its token ids."""
 from __future__ import annotations
 
+from runtime.tool_calls import hermes_messages
+
 # text, chat messages, chat messages with the tools the model may call ({"messages": [...],
-# "tools": [...]}: OpenAI's function definitions, rendered by the chat template), or token ids
+# "tools": [...]}: OpenAI's function definitions, rendered by the chat template or, where it
+# ignores tools, in the Hermes form), or token ids
 Prompt = str | list[dict] | dict | list[int]
 
 
@@ -19,11 +22,19 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
             if not isinstance(m.get("role"), str) or not (isinstance(m.get("content"), str) or m.get("tool_calls")):
                 raise ValueError("each chat message needs a string 'role' and a string 'content' (or, from the "
                                  "assistant, 'tool_calls')")
-        text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return tokenizer(chat_text(tokenizer, prompt, tools), add_special_tokens=False).input_ids
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if any(t < 0 or t >= vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return list(prompt)
     raise ValueError("a prompt is a non-empty string, a non-empty list of chat messages (alone, or with tools: "
                      "{'messages': [...], 'tools': [...]}), or a list of token ids")
+
+
+def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """messages through the chat template, with the tools: the template's own way, or, where
+    it ignores tools, in the Hermes form (runtime.tool_calls.hermes_messages)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    if tools and text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+        text = tokenizer.apply_chat_template(hermes_messages(messages, tools), tokenize=False, add_generation_prompt=True)
+    return text

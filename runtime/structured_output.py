@@ -4,7 +4,8 @@ lossless.
 
 - `GuidedSpec` (runtime.sampling_params) is what a request asks for (SamplingParams.guided).
 - `Grammars` (one per engine) compiles specs for the engine's tokenizer, cached by
-  xgrammar; a spec that does not compile is a ValueError naming the problem (a 400).
+  xgrammar; a spec that does not compile is a ValueError naming the problem (a 400). The
+  server compiles a request's spec off the engine's loop.
 - `Constraint` (one per sequence) is the grammar's state after the sequence's committed
   output. Before a step is scheduled it prunes the draft nodes the grammar forbids after
   their path, with their subtrees (they cost no target work, and are counted), then
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -51,20 +53,24 @@ def _library_message(error: Exception) -> str:
 
 
 class Grammars:
-    """Compiles GuidedSpecs for one tokenizer (xgrammar loads on first use)."""
+    """Compiles GuidedSpecs for one tokenizer (xgrammar loads on first use), from any thread:
+    the server compiles a request's spec before it reaches the engine's loop, where
+    `constraint` then finds it in xgrammar's cache (a large schema stalls no step)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
         self._compiler = None
+        self._lock = threading.Lock()  # around building the compiler; xgrammar's cache is thread-safe
 
     @property
     def compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
 
     def compile(self, spec: GuidedSpec):
         """The xgrammar CompiledGrammar of spec; ValueError naming what does not compile."""

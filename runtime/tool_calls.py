@@ -5,7 +5,9 @@
   model's own chat template (templates that know tools: Qwen2.5, Hermes, Llama 3.1, ...)
   and the model decides. Calls written in the Hermes form those templates ask for,
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, come back as tool_calls, the
-  text around them as content. A template that ignores tools gets plain text back.
+  text around them as content. Where the template ignores tools (the default model's),
+  `hermes_messages` shows them in that form in the system message, with the conversation's
+  earlier calls and results as Hermes blocks, so that the model can still call them.
 - "required", or one named function: the output is constrained (runtime.structured_output),
   as vLLM does: for a named function, its arguments object (its parameters schema); for
   "required", a JSON array of {"name", "parameters"} objects, each one of the tools (one
@@ -84,6 +86,36 @@ class ToolChoice:
             return text, []
         content = HERMES_CALL.sub("", text).strip()
         return content or None, calls
+
+
+TOOLS_INSTRUCTIONS = ("You may call functions to help with the request. Each is described by a JSON object "
+                      "between <tools> and </tools>:")
+CALL_INSTRUCTIONS = ("To call one, write <tool_call>{\"name\": the function's name, \"arguments\": a JSON object "
+                     "of its arguments}</tool_call>, one block per call. Otherwise answer in text.")
+
+
+def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """messages for a chat template that ignores tools: the tools (OpenAI's {"type":
+    "function", "function": {...}}) described in the system message, in the Hermes form that
+    ToolChoice.parse reads back; an assistant's earlier calls as <tool_call> blocks, and tool
+    results as <tool_response> blocks from the user."""
+    listing = "\n".join([TOOLS_INSTRUCTIONS, "<tools>", *(json.dumps(t, ensure_ascii=False) for t in tools),
+                         "</tools>", CALL_INSTRUCTIONS])
+    out = []
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [CALL_OPEN + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                            ensure_ascii=False) + CALL_CLOSE for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join([message.get("content") or "", *calls]).strip()})
+        elif message["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        else:
+            out.append(dict(message))
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{listing}"
+    else:
+        out.insert(0, {"role": "system", "content": listing})
+    return out
 
 
 def _compact(text: str) -> str:

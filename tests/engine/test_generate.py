@@ -85,6 +85,17 @@ def test_greedy_text_matches_llm_generate(run, llm):
     assert [o["text"] for o in outputs] == [r.text for r in expected]
 
 
+def test_llm_generate_takes_one_prompt_or_a_list_of_any_form(llm):
+    """A chat with tools ({"messages", "tools"}) alone or in a list, beside the other forms:
+    one result per prompt, the same for the same prompt."""
+    tools = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    params = SamplingParams(max_tokens=4, temperature=0)
+    alone, = llm.generate(tools, params, use_tqdm=False)
+    listed = llm.generate([tools, MESSAGES, "Hi"], params, use_tqdm=False)
+    assert len(listed) == 3 and listed[0].token_ids == alone.token_ids
+    assert listed[1].token_ids == llm.generate(MESSAGES, params, use_tqdm=False)[0].token_ids
+
+
 def test_missing_input_exits_2(tmp_path, capsys, llm):
     code = main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "out.jsonl")], llm=llm)
     err = capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Opt-in: a real Qwen2.5 GGUF (q/k/v bias, GQA 14/2, no q/k permutation) against HF.
+"""Opt-in: a real Qwen2.5 GGUF (q/k/v bias, GQA 14/2, no q/k permutation) against HF, and
+its own chat template's tool calls read back by tool_choice auto.
 
 Set HETEROSPEC_QWEN_GGUF to a file fetched with scripts/fetch_qwen_gguf.py; skipped
 otherwise (too slow for the default CI path on 2 cores).
@@ -33,3 +34,22 @@ def test_qwen_gguf_greedy_matches_hf():
             expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
                                    eos_token_id=None)[0, len(prompt_ids):].tolist()
         assert outputs[f"r{i}"] == expected
+
+
+def test_qwen_auto_tool_calls_through_its_own_template():
+    """Qwen2.5's template renders tools itself (no Hermes fallback) and the model answers a
+    weather question with a Hermes call, which tool_choice auto reads back as a call."""
+    from runtime import LLM, SamplingParams
+    from runtime.prompts import chat_text
+    from runtime.tool_calls import ToolChoice
+    weather = {"name": "get_weather", "description": "The weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    llm = LLM(model=GGUF, dtype="float32", max_num_seqs=2)
+    tools = [{"type": "function", "function": weather}]
+    text = chat_text(llm.engine.tokenizer, messages, tools)
+    assert "get_weather" in text and "You may call functions" not in text  # the template's own rendering
+    out = llm.generate({"messages": messages, "tools": tools}, SamplingParams(temperature=0, max_tokens=40),
+                       use_tqdm=False)[0]
+    content, calls = ToolChoice((weather,), "auto").parse(out.text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')], out.text

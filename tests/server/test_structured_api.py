@@ -8,15 +8,18 @@ runtime.structured_output):
 - a schema or grammar that does not compile, two kinds of constraint at once, and a bad
   guided_* value are 400s with OpenAI's error body, and the server goes on;
 - tools: a named function and "required" give tool_calls whose arguments validate, streamed
-  (the SDK's accumulated deltas) and not, with and without speculation; "auto" with a
-  template that ignores tools answers in text, and a Hermes call in the output (forced here
-  by a grammar, as the default model's template knows no tools) comes back as tool_calls;
-  earlier turns with assistant tool_calls and tool messages are taken; bad tool_choice 400s.
+  (the SDK's accumulated deltas) and not, with and without speculation; "auto" answers in
+  text when the model does (the default model's template ignores tools, which then go into
+  the system message in the Hermes form, and the 135M model does not call them), and a
+  Hermes call in the output (forced here by a grammar) comes back as tool_calls; earlier
+  turns with assistant tool_calls and tool messages are taken; bad tool_choice 400s;
+- a request's grammar compiles on a worker thread, not on the engine's loop.
 """
 from __future__ import annotations
 
 import json
 import re
+import threading
 
 import httpx
 import pytest
@@ -112,6 +115,24 @@ def test_bad_constraints_are_400s_and_the_server_goes_on(server, body, param, me
         assert error["param"] == param
     ok = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_schema_compiles_off_the_engine_loop(server, monkeypatch):
+    """The server compiles a request's grammar on a worker thread; the engine's loop, where
+    every request's steps run, finds it compiled (xgrammar's cache)."""
+    grammars, threads = server[1].grammars, []
+    compile_spec = grammars.compile
+
+    def compile_and_record(spec):
+        threads.append(threading.current_thread().name)
+        return compile_spec(spec)
+    monkeypatch.setattr(grammars, "compile", compile_and_record)
+    schema = {"type": "object", "properties": {"city_of_residence_in_2026": {"type": "string"}}}
+    r = httpx.post(f"{server[0]}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": EXTRACT, "max_tokens": 30, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "where", "schema": schema}}})
+    assert r.status_code == 200 and "city_of_residence_in_2026" in r.json()["choices"][0]["message"]["content"]
+    assert threads[0] != "engine-loop" and set(threads[1:]) == {"engine-loop"}, threads  # then: cache hits
 
 
 # ---- tools -----------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Tool calls (runtime.tool_calls): the constraint each tool_choice sets, parsing finished
-outputs (Hermes calls for auto, constrained JSON for required and named), and streaming
-that holds back exactly what may still become a call."""
+outputs (Hermes calls for auto, constrained JSON for required and named), streaming that
+holds back exactly what may still become a call, and the tools in the prompt: a template's
+own rendering where it knows tools, else the Hermes form that auto parses back (the default
+model's real template)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from runtime.tool_calls import ToolChoice, ToolStream
+from runtime.prompts import chat_text
+from runtime.tool_calls import ToolCall, ToolChoice, ToolStream
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -77,3 +80,41 @@ def test_constrained_streams_send_nothing_until_the_end():
     assert stream.content('{"zone": ') == "" and stream.content('"UTC"}') == ""
     rest, calls = stream.finish()
     assert rest == "" and calls[0].name == "get_time" and json.loads(calls[0].arguments) == {"zone": "UTC"}
+
+
+class Template:
+    """A chat template that renders tools, or ignores them."""
+
+    def __init__(self, knows_tools: bool):
+        self.knows_tools = knows_tools
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=True):
+        head = f"TOOLS {len(tools)}\n" if tools and self.knows_tools else ""
+        return head + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+def test_a_template_that_knows_tools_renders_them_its_own_way():
+    messages = [{"role": "user", "content": "Hi"}]
+    assert chat_text(Template(True), messages, [{"type": "function", "function": WEATHER}]) == "TOOLS 1\nuser: Hi\n"
+    assert chat_text(Template(False), messages, None) == "user: Hi\n"
+    ignored = chat_text(Template(False), [{"role": "system", "content": "Be brief."}] + messages,
+                        [{"type": "function", "function": WEATHER}])
+    assert ignored.startswith("system: Be brief.\n\nYou may call functions") and ignored.endswith("user: Hi\n")
+
+
+def test_a_template_that_ignores_tools_gets_them_in_the_form_auto_parses(engine_f32):
+    """The default model's template ignores tools: they go into a system message, the earlier
+    calls and results as Hermes blocks; the call form it asks for parses back as a call."""
+    tokenizer, tools = engine_f32.tokenizer, [{"type": "function", "function": WEATHER}]
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "5 C"}]
+    assert tokenizer.apply_chat_template(messages[:1], tools=tools, tokenize=False) == \
+        tokenizer.apply_chat_template(messages[:1], tokenize=False)  # it ignores them
+    text = chat_text(tokenizer, messages, tools)
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text
+    block = "<tool_call>" + json.dumps(call) + "</tool_call>"
+    assert block in text and "<tool_response>\n5 C\n</tool_response>" in text
+    assert text.index("<tools>") < text.index("Weather in Oslo?") < text.index(block) < text.index("5 C")
+    assert ToolChoice(TOOLS, "auto").parse(block) == (None, [ToolCall("get_weather", '{"city": "Oslo"}')])
