@@ -159,7 +159,7 @@ class ModelRunner:
         input order: each sequence's new tokens, then its tree nodes). H' = H, the final
         hidden states, or with feature layers (1 + k) H: those, then the k layers' inputs."""
         step = self.prepare(seqs, num_new_tokens, needs_logits, trees)
-        if self._runs_compiled(step, num_new_tokens) and return_hidden != "all":
+        if self._runs_compiled(step, num_new_tokens):  # every token a logits row: hidden [T, H'] is "all" too
             logits, hidden = self.compiled_decode(step, self.device, self.block_size)
             return (logits, hidden) if return_hidden else logits
         return self.run(step, return_hidden)

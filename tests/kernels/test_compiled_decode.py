@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.draft_tree import DraftTree
 from runtime.sampling_params import SamplingParams
 
 PROMPTS = ["Explain how a hash table works.", "def fibonacci(n):",
@@ -67,10 +68,11 @@ def test_compiled_draft_model_gives_plain_eager_decodings_tokens(compiled_engine
         engine.close()
 
 
-def first_decode_step(engine, compiled: bool, trees=None) -> torch.Tensor:
+def first_decode_step(engine, compiled: bool, trees=None, hidden: bool = False) -> torch.Tensor:
     """Next-token probabilities [R, V] after PROMPTS[:2], prefilled eagerly but for their last
     token, which one decode step runs (compiled or eager; with draft trees below those
-    tokens, a verify step), in blocks 0-3 of a fresh engine."""
+    tokens, a verify step), in blocks 0-3 of a fresh engine; with `hidden`, every token's
+    hidden states [T, H'] instead."""
     from types import SimpleNamespace
     runner = engine.runner
     seqs = [SimpleNamespace(token_ids=engine.tokenize(p), num_computed_tokens=0, block_table=[2 * i, 2 * i + 1])
@@ -82,6 +84,8 @@ def first_decode_step(engine, compiled: bool, trees=None) -> torch.Tensor:
     if not compiled:
         runner.compiled_decode = None
     try:
+        if hidden:
+            return runner.execute(seqs, [1, 1], [True, True], trees, return_hidden="all")[1]
         return runner.execute(seqs, [1, 1], [True, True], trees).float().softmax(-1)
     finally:
         runner.compiled_decode = step
@@ -141,7 +145,6 @@ def test_compiled_step_over_quantized_weights_at_any_batch_compiles_nothing_afte
 def first_verify_step(engine, compiled: bool) -> torch.Tensor:
     """first_decode_step's verify step: a branching draft tree below the first sequence's
     token, a chain below the second's."""
-    from runtime.draft_tree import DraftTree
     trees = [DraftTree([11, 12, 13, 14, 15], [-1, -1, 0, 0, 2]), DraftTree([21, 22, 23], [-1, 0, 1])]
     return first_decode_step(engine, compiled, trees)
 
@@ -178,3 +181,24 @@ def test_compiled_verify_steps_give_plain_decodings_tokens(compiled_engine, engi
     assert compiled_engine.stats.num_draft_tokens > before and any(trees)
     blocks = compiled_engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_compiled_verify_step_returns_eagle3_features_as_eager(engine_f32, tmp_path):
+    """EAGLE-3 reads the residual stream entering target layers after every token: a verify
+    step run compiled returns them ([T, 3H], tiny two-layer Qwen2, both layers) as the eager
+    step does (float32). Dynamo once compiled them away (`i in layers` over a tuple of
+    ints), silently."""
+    from runtime.engine import LLMEngine
+    from tests.helpers import save_tiny_model
+    save_tiny_model("qwen2", tmp_path, engine_f32.tokenizer)
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    engine.runner.set_feature_layers((0, 1))
+    calls, restore = counting(engine.runner)
+    try:
+        trees = [DraftTree([11, 12], [-1, 0]), DraftTree([21], [-1])]
+        compiled = first_decode_step(engine, True, trees, hidden=True)
+    finally:
+        restore()
+    eager = first_decode_step(engine, False, trees, hidden=True)
+    assert calls and compiled.shape == eager.shape == (2 + 2 + 1, 3 * engine.model_config.hidden_size)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
