@@ -13,9 +13,10 @@ zeroed and renormalised). Without it a node is a one-hot proposal (q = indicator
 keeps rejection sampling exact for deterministic proposers (n-gram, lookahead).
 
 The last `num_forced` nodes, when a request keeps to a grammar, were not proposed: they
-are what the grammar forces after a path (runtime.structured_output), so the target's
-masked law there is one-hot and they are accepted whenever their path is. They are
-counted apart, so that they say nothing of how well the proposer drafts.
+are the text the grammar forces after a path (runtime.structured_output), accepted
+whenever their path is where the grammar leaves one token, verified as any draft where it
+allows another split of that text. They are counted apart, so that they say nothing of
+how well the proposer drafts.
 """
 from __future__ import annotations
 

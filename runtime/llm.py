@@ -97,8 +97,9 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
         """One result per prompt, in order. All prompts are validated before any runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
-                                                and "messages" not in prompts[0]):  # one prompt, not a list of them
+        one_chat = isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) \
+            and "messages" not in prompts[0]  # chat messages, not a list of prompts
+        if isinstance(prompts, (str, dict)) or one_chat:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

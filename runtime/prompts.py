@@ -36,5 +36,6 @@ def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     it ignores tools, in the Hermes form (runtime.tool_calls.hermes_messages)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     if tools and text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
-        text = tokenizer.apply_chat_template(hermes_messages(messages, tools), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(hermes_messages(messages, tools), tokenize=False,
+                                             add_generation_prompt=True)
     return text

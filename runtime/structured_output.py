@@ -9,20 +9,20 @@ lossless.
 - `Constraint` (one per sequence) is the grammar's state after the sequence's committed
   output. Before a step is scheduled it prunes the draft nodes the grammar forbids after
   their path, with their subtrees (they cost no target work, and are counted), then
-  extends the draft with what the grammar forces after each path (jump-forward decoding
-  as drafting: the forced text in the tokenizer's own tokens, which the target's masked
-  law accepts for sure where it is one-hot, and verifies as any draft where the grammar
-  allows another split of the same text); at verification it gives the allowed tokens at the root and at every node, advancing the
-  state along each node's path and rolling it back; after the step it advances by the
-  committed tokens. Once the grammar is complete and has taken its stop token, the
-  sequence is done ("stop").
+  extends the draft with what the grammar forces after each path (jump-forward decoding as
+  drafting: the forced text in the tokenizer's own tokens, which the target's masked law
+  accepts for sure where it is one-hot, and verifies as any draft where the grammar allows
+  another split of the same text); at verification it gives the allowed tokens at the root
+  and at every node, advancing the state along each node's path and rolling it back; after
+  the step it advances by the committed tokens. Once the grammar is complete and has taken
+  its stop token, the sequence is done ("stop").
 - `StepMasks` fills every constrained sequence's masks for a step's logits rows [R, V] (on
-  the grammar thread while a GPU target's pass runs), then applies them (xgrammar's kernel,
-  on the logits' device) before greedy picks, rejection sampling and logprobs read them. The sampler then
-  works on the masked, renormalised target distribution at every node, and on each kept
-  node's draft law masked the same way (the law it was drawn from, given that it was not
-  pruned), so the output is exactly constrained sampling from the target, whatever the
-  proposer drafted.
+  the grammar thread while a GPU target's pass runs), then applies them (xgrammar's
+  kernel, on the logits' device) before greedy picks, rejection sampling and logprobs read
+  them. The sampler then works on the masked, renormalised target distribution at every
+  node, and on each kept node's draft law masked the same way (the law it was drawn from,
+  given that it was not pruned), so the output is exactly constrained sampling from the
+  target, whatever the proposer drafted.
 
 A request whose grammar is not complete within max_tokens ends with "length", as any
 other request: its text is then a prefix of a valid output, never claimed complete.

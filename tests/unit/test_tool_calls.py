@@ -108,7 +108,8 @@ def test_a_template_that_ignores_tools_gets_them_in_the_form_auto_parses(engine_
     tokenizer, tools = engine_f32.tokenizer, [{"type": "function", "function": WEATHER}]
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     messages = [{"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "5 C"}]
     assert tokenizer.apply_chat_template(messages[:1], tools=tools, tokenize=False) == \
         tokenizer.apply_chat_template(messages[:1], tokenize=False)  # it ignores them
