@@ -70,22 +70,21 @@ def decode_step(model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor
 
 
 @functools.cache
-def compiled_decode_step(cpp_wrapper: bool, feature_layers: tuple[int, ...]):
-    """decode_step compiled, one function for every engine in the process with these
-    feature layers: the model and its caches are arguments, so a second engine on the same
-    architecture reuses the first one's graphs. The feature layers are a constant of the
-    function, and a frozenset: Dynamo (torch 2.8, dynamic shapes) compiled `i in layers`
-    over a tuple of ints, argument or constant, as always false, and the step returned no
-    features for EAGLE-3. cpp_wrapper: the graph's
-    kernels are called from generated C++, not Python (a fifth of a small model's step was
-    Python calling kernels); a model with oneDNN-prepacked weights (PackedLinear: opaque
-    tensors, which the C++ wrapper cannot pass to an op) keeps the Python wrapper.
-    Made on first use: torch.compile imports Dynamo (and Triton, where installed)."""
-    layers = frozenset(feature_layers)
-
-    def step(model, k_caches, v_caches, input_ids, positions, slots, tables, visible):
-        return decode_step(model, k_caches, v_caches, layers, input_ids, positions, slots, tables, visible)
-    return torch.compile(step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
+def compiled_decode_step(cpp_wrapper: bool):
+    """decode_step compiled, one function for every engine in the process: the model and its
+    caches are arguments, so a second engine on the same architecture reuses the first one's
+    graphs. The feature layers are an argument too, a frozenset: Dynamo (torch 2.8, dynamic
+    shapes) compiled `i in layers` over a tuple of ints as always false, and the step
+    returned no features for EAGLE-3. cpp_wrapper: the graph's kernels are called from
+    generated C++, not Python (a fifth of a small model's step was Python calling kernels); a
+    model with oneDNN-prepacked weights (PackedLinear: opaque tensors, which the C++ wrapper
+    cannot pass to an op) keeps the Python wrapper.
+    Made on first use: torch.compile imports Dynamo (and Triton, where installed). Dynamo
+    keeps 8 graphs per function by default and, with fullgraph, then fails the step: one
+    process may compile one per architecture, dtype, feature set and shape specialization
+    (a target, its draft, EAGLE-3; the test session dozens), so the limit is raised to 64."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
 
 
 class CompiledDecodeStep:
@@ -95,7 +94,8 @@ class CompiledDecodeStep:
     def __init__(self, model, kv_cache: KVCache, feature_layers: tuple[int, ...] = ()):
         self.model, self.kv_cache, self.feature_layers = model, kv_cache, feature_layers
         opaque = any(isinstance(m, PackedLinear) for m in model.modules())
-        self.step = compiled_decode_step(not opaque, tuple(feature_layers))
+        self.step = compiled_decode_step(cpp_wrapper=not opaque)
+        self.layers = frozenset(feature_layers)  # (compiled_decode_step)
         for cache in (*kv_cache.k, *kv_cache.v):  # [num_blocks, block_size, Hkv, D]
             # all but num_blocks fixed: left dynamic, a dim equal to B or NB shares their symbol
             # (duck sizing) and pins it (Qwen2.5-0.5B's 2 KV heads recompiled at NB = 3)
@@ -114,7 +114,8 @@ class CompiledDecodeStep:
             tables = torch.full((t, 2), scratch_block, dtype=torch.long, device=device)  # [T, NB]
             visible = torch.zeros(t, 2 * block_size, dtype=torch.bool, device=device)  # [T, L]
             visible[:, 0] = True
-            self.step(self.model, self.kv_cache.k, self.kv_cache.v, ids, ids.clone(), slots, tables, visible)
+            self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids, ids.clone(), slots, tables,
+                      visible)
         return time.perf_counter() - start
 
     def __call__(self, step, device: torch.device, block_size: int):
@@ -139,5 +140,5 @@ class CompiledDecodeStep:
             visible[a.query_start:a.query_start + a.query_len, context:a.seq_len] = a.mask
         ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
         ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
-        return self.step(self.model, self.kv_cache.k, self.kv_cache.v, ids.clone(), positions.clone(), slots.clone(),
-                         torch.tensor(tables, dtype=torch.long, device=device), visible.to(device))
+        return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids.clone(), positions.clone(),
+                         slots.clone(), torch.tensor(tables, dtype=torch.long, device=device), visible.to(device))
