@@ -1,6 +1,8 @@
 """What a request's prompt may be, and its token ids."""
 from __future__ import annotations
 
+import weakref
+
 from runtime.tool_calls import hermes_messages
 
 # text, chat messages, chat messages with the tools the model may call ({"messages": [...],
@@ -34,8 +36,24 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
 def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     """messages through the chat template, with the tools: the template's own way, or, where
     it ignores tools, in the Hermes form (runtime.tool_calls.hermes_messages)."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    if tools and text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
-        text = tokenizer.apply_chat_template(hermes_messages(messages, tools), tokenize=False,
-                                             add_generation_prompt=True)
-    return text
+    if tools and not renders_tools(tokenizer):
+        messages, tools = hermes_messages(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+_renders_tools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> bool
+_PROBE_MESSAGES = [{"role": "user", "content": "What time is it?"}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "The current time.",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows the model a tools list: asked once per
+    tokenizer, with one user message and one function (a template does not change)."""
+    known = _renders_tools.get(tokenizer)
+    if known is None:
+        render = tokenizer.apply_chat_template
+        known = _renders_tools[tokenizer] = render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False,
+                                                   add_generation_prompt=True) != \
+            render(_PROBE_MESSAGES, tokenize=False, add_generation_prompt=True)
+    return known

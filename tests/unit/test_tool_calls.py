@@ -86,9 +86,10 @@ class Template:
     """A chat template that renders tools, or ignores them."""
 
     def __init__(self, knows_tools: bool):
-        self.knows_tools = knows_tools
+        self.knows_tools, self.renders = knows_tools, 0
 
     def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=True):
+        self.renders += 1
         head = f"TOOLS {len(tools)}\n" if tools and self.knows_tools else ""
         return head + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
@@ -100,6 +101,14 @@ def test_a_template_that_knows_tools_renders_them_its_own_way():
     ignored = chat_text(Template(False), [{"role": "system", "content": "Be brief."}] + messages,
                         [{"type": "function", "function": WEATHER}])
     assert ignored.startswith("system: Be brief.\n\nYou may call functions") and ignored.endswith("user: Hi\n")
+
+
+def test_whether_a_template_renders_tools_is_asked_once_per_tokenizer():
+    template, tools = Template(False), [{"type": "function", "function": WEATHER}]
+    chat_text(template, [{"role": "user", "content": "Hi"}], tools)
+    asked = template.renders
+    chat_text(template, [{"role": "user", "content": "Hello"}], tools)
+    assert asked == 3 and template.renders == asked + 1  # the probe's two renders, then one a request
 
 
 def test_a_template_that_ignores_tools_gets_them_in_the_form_auto_parses(engine_f32):
