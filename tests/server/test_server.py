@@ -89,6 +89,18 @@ def serving(app):
         sock.close()
 
 
+@contextmanager
+def serving_engine(engine, **app_options):
+    """engine behind the server (runtime.serve.build_app's options) on a free port; yields the
+    base URL, and shuts the engine's loop down after."""
+    async_engine = AsyncEngine(engine)
+    try:
+        with serving(build_app(async_engine, MODEL, **app_options)) as base_url:
+            yield base_url
+    finally:
+        async_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def served():
     engine = LLMEngine(EngineConfig(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="256MiB", max_num_seqs=8,
@@ -96,12 +108,8 @@ def served():
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, speculator="none")
     completion_ref = run_directly(engine, PROMPT, greedy)
     chat_ref = run_directly(engine, CHAT, greedy)
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL)) as base_url:
-            yield Served(base_url, engine, completion_ref, chat_ref)
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine) as base_url:
+        yield Served(base_url, engine, completion_ref, chat_ref)
 
 
 def eventually(condition: Callable[[], bool], timeout: float = 10.0, what: str | Callable[[], str] = "") -> None:

@@ -15,14 +15,12 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from runtime.async_engine import AsyncEngine  # noqa: E402
 from runtime.circuit_breaker import CircuitBreaker  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.serve import build_app  # noqa: E402
 from speculators import Proposer  # noqa: E402
-from tests.server.test_server import eventually, metric, run_directly, serving, sse_events, wait_idle  # noqa: E402
+from tests.server.test_server import eventually, metric, run_directly, serving_engine, sse_events, wait_idle  # noqa: E402
 from tests.helpers import toy_speculator
 
 MODEL = "smollm2-135m"
@@ -40,12 +38,8 @@ def make_engine(**kwargs) -> LLMEngine:
 def server():
     """(base URL, engine): a float32 engine without speculation by default."""
     engine = make_engine(max_num_seqs=8)
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL)) as base_url:
-            yield base_url, engine
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine) as base_url:
+        yield base_url, engine
 
 
 def client(base_url: str, api_key: str = "x") -> openai.OpenAI:
@@ -176,12 +170,8 @@ def test_speculation_field_per_request(server):
 def guarded():
     """(base URL, engine): one sequence at a time, one request may wait, API key 'sekret'."""
     engine = make_engine(max_num_seqs=1)
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL, api_key="sekret", max_waiting_requests=1)) as base_url:
-            yield base_url, engine
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine, api_key="sekret", max_waiting_requests=1) as base_url:
+        yield base_url, engine
 
 
 def test_api_key(guarded):
@@ -279,18 +269,14 @@ def test_failing_proposer_opens_its_breaker_and_requests_decode_plain():
     exploding = ExplodingProposer()
     engine = make_engine(max_num_seqs=4, speculator=toy_speculator("exploding", exploding))
     plain = run_directly(engine, COPY, SamplingParams(max_tokens=24, temperature=0, speculator="none"))
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL)) as base_url:
-            text = run_directly_via_http(base_url, {"prompt": COPY, "max_tokens": 24, "temperature": 0})
-            assert text == plain
-            breaker = engine.pool.breakers["exploding"]
-            assert breaker.is_open and exploding.calls == breaker.max_failures
-            assert metric(base_url, 'heterospec_spec_proposer_failures_total{proposer="exploding"}') == 3
-            assert metric(base_url, 'heterospec_spec_proposer_disabled{proposer="exploding"}') == 1
-            assert httpx.get(f"{base_url}/health").status_code == 200
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine) as base_url:
+        text = run_directly_via_http(base_url, {"prompt": COPY, "max_tokens": 24, "temperature": 0})
+        assert text == plain
+        breaker = engine.pool.breakers["exploding"]
+        assert breaker.is_open and exploding.calls == breaker.max_failures
+        assert metric(base_url, 'heterospec_spec_proposer_failures_total{proposer="exploding"}') == 3
+        assert metric(base_url, 'heterospec_spec_proposer_disabled{proposer="exploding"}') == 1
+        assert httpx.get(f"{base_url}/health").status_code == 200
 
 
 def test_circuit_breaker_cools_down_then_retries():

@@ -14,12 +14,10 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from runtime.async_engine import AsyncEngine  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.serve import build_app  # noqa: E402
-from tests.server.test_server import metric, run_directly, serving, wait_idle  # noqa: E402
+from tests.server.test_server import metric, run_directly, serving_engine, wait_idle  # noqa: E402
 
 MODEL = "smollm2-135m"
 NUM_CLIENTS = 64
@@ -70,22 +68,18 @@ def test_64_streaming_clients_a_third_hanging_up():
     alone = [run_directly(engine, p, greedy) for p in distinct_prompts()] * (NUM_CLIENTS // 16)
     rng = random.Random(0)
     hang_ups = {i: rng.randint(1, 3) for i in rng.sample(range(NUM_CLIENTS), NUM_CLIENTS // 3)}
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL)) as base_url:
-            texts = asyncio.run(run_clients(base_url, hang_ups))
-            for i, (text, reference) in enumerate(zip(texts, alone)):
-                if i in hang_ups and text is None:
-                    continue  # hung up (one whose answer was shorter than its hang-up point read it all)
-                assert i in hang_ups or text is not None
-                assert text == reference, f"client {i}: {text!r} != alone {reference!r}"
-            assert sum(text is None for text in texts) >= NUM_CLIENTS // 4
-            wait_idle(engine)
-            assert not engine.scheduler.running and not engine.scheduler.waiting
-            aborted = metric(base_url, 'heterospec_requests_total{finish_reason="abort"}')
-            finished = sum(metric(base_url, f'heterospec_requests_total{{finish_reason="{reason}"}}')
-                           for reason in ("stop", "length"))
-            assert finished >= NUM_CLIENTS - len(hang_ups) and aborted + finished == NUM_CLIENTS, (aborted, finished)
-            assert aborted >= 1, "no client's hang-up reached the server before its request finished"
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine) as base_url:
+        texts = asyncio.run(run_clients(base_url, hang_ups))
+        for i, (text, reference) in enumerate(zip(texts, alone)):
+            if i in hang_ups and text is None:
+                continue  # hung up (one whose answer was shorter than its hang-up point read it all)
+            assert i in hang_ups or text is not None
+            assert text == reference, f"client {i}: {text!r} != alone {reference!r}"
+        assert sum(text is None for text in texts) >= NUM_CLIENTS // 4
+        wait_idle(engine)
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        aborted = metric(base_url, 'heterospec_requests_total{finish_reason="abort"}')
+        finished = sum(metric(base_url, f'heterospec_requests_total{{finish_reason="{reason}"}}')
+                       for reason in ("stop", "length"))
+        assert finished >= NUM_CLIENTS - len(hang_ups) and aborted + finished == NUM_CLIENTS, (aborted, finished)
+        assert aborted >= 1, "no client's hang-up reached the server before its request finished"

@@ -28,9 +28,7 @@ from pydantic import BaseModel
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from runtime.async_engine import AsyncEngine  # noqa: E402
-from runtime.serve import build_app  # noqa: E402
-from tests.server.test_server import serving  # noqa: E402
+from tests.server.test_server import serving_engine  # noqa: E402
 from tests.server.test_server_api import MODEL, client, make_engine  # noqa: E402
 
 EXTRACT = [{"role": "user", "content": "Extract the person: Maria Lopez, 34, is a nurse in Madrid. Reply in JSON."}]
@@ -45,12 +43,8 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def server():
     engine = make_engine(max_num_seqs=8)
-    async_engine = AsyncEngine(engine)
-    try:
-        with serving(build_app(async_engine, MODEL)) as base_url:
-            yield base_url, engine
-    finally:
-        async_engine.shutdown()
+    with serving_engine(engine) as base_url:
+        yield base_url, engine
 
 
 @pytest.mark.parametrize("speculation", [None, {"method": "lookahead"}])
