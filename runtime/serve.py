@@ -6,8 +6,8 @@
     GET  /health                200 {"status": "ok"}; 503 once the engine loop has died
     GET  /metrics               Prometheus text (runtime.server_metrics)
 
-The fields each generation endpoint takes, and the bodies it returns, are in
-runtime.openai_protocol. Bad input is a 4xx with OpenAI's error body, never a 500. All
+The fields each generation endpoint takes are in runtime.openai_protocol, the bodies it
+returns in runtime.openai_responses. Bad input is a 4xx with OpenAI's error body, never a 500. All
 requests share one engine through runtime.async_engine (continuous batching); a client that
 disconnects, streaming or not, has its request aborted, so its KV blocks come back at once.
 
@@ -52,8 +52,9 @@ from runtime.engine import LLMEngine, Prompt
 from runtime.outputs import RequestOutput
 from runtime.models.config import UnsupportedModelError
 from runtime.models.loader import DEFAULT_MODEL, ModelNotFoundError
-from runtime.openai_protocol import (SSE_DONE, ApiError, ChatCompletionRequest, ChatFormat, CompletionFormat,
-                                     CompletionRequest, error_body, model_list, sse, validation_error)
+from runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, error_body,
+                                     validation_error)
+from runtime.openai_responses import SSE_DONE, ChatFormat, CompletionFormat, model_list, sse
 from runtime.sampling_params import SamplingParams
 from runtime.server_metrics import ServerMetrics
 

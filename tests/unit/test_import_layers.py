@@ -26,6 +26,7 @@ LAYERS = {
     "runtime.async_engine": 3,
     "runtime.serve": 4,  # front ends
     "runtime.openai_protocol": 4,
+    "runtime.openai_responses": 4,
     "runtime.server_metrics": 4,
     "runtime.generate": 4,
 }
