@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.models.loader import DEFAULT_MODEL, DTYPES, QUANTIZATIONS, load_model, resolve_model
+from runtime.models.loader import DEFAULT_MODEL, DTYPES, QUANTIZATIONS, adds_bos, load_model, resolve_model
 from runtime.models.quant_linear import linear_kernels
 from scripts.harness import ROOT, Report, add_results_args
 
@@ -56,20 +56,6 @@ DEFAULT_LLAMA_BIN = Path.home() / ".cache" / "heterospec" / "llama.cpp" / "build
 
 
 # ---- tokens and chunks --------------------------------------------------------------------
-
-def adds_bos(source, tokenizer) -> bool:
-    """Whether llama.cpp would put BOS first: a GGUF file's own flag (transformers' GGUF
-    tokenizer adds BOS regardless of it), else the tokenizer's default behaviour."""
-    if tokenizer.bos_token_id is None:
-        return False
-    if source.kind == "gguf":
-        from gguf import GGUFReader
-        field = GGUFReader(str(source.path)).fields.get("tokenizer.ggml.add_bos_token")
-        if field is not None:
-            return bool(field.contents())
-    ids = tokenizer("a").input_ids
-    return bool(ids) and ids[0] == tokenizer.bos_token_id
-
 
 def tokenize(text: str, tokenizer, add_bos: bool) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -207,7 +193,7 @@ def main(argv=None) -> None:
         for quantization in quantizations:
             start = time.perf_counter()
             model, tokenizer, config = load_model(spec, args.dtype, args.device, quantization)
-            add_bos = adds_bos(source, tokenizer)
+            add_bos = adds_bos(tokenizer)  # as llama.cpp: the GGUF's own flag (runtime.models.loader)
             tokens = tokenize(text, tokenizer, add_bos)
             if len(tokens) < 2 * args.ctx:
                 sys.exit(f"{TEXT} is {len(tokens)} tokens for {name}: --ctx {args.ctx} needs at least {2 * args.ctx}")

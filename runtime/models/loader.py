@@ -153,23 +153,32 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | to
     return model, tokenizer, config
 
 
+TOKENIZER_CACHE_VERSION = 2  # 2: the GGUF's own add_bos_token (transformers 4 put BOS first regardless)
+
+
 def load_tokenizer(source: ModelSource):
     """The model's own tokenizer and chat template.
 
-    Converting a GGUF vocabulary to a fast tokenizer takes transformers ~12 s, so the
-    converted tokenizer is saved once under ~/.cache/heterospec/tokenizers, keyed by the
-    GGUF file's path, size and mtime, and loaded from there afterwards.
+    From a GGUF file, transformers converts the vocabulary, and the file's
+    tokenizer.ggml.add_bos_token decides whether BOS goes first, as in llama.cpp
+    (transformers 4 put it first regardless: SmolLM2's `<|im_start|>` before every raw
+    prompt). The conversion takes ~12 s, so the converted tokenizer is saved once under
+    ~/.cache/heterospec/tokenizers, keyed by the GGUF file's path, size and mtime, and
+    loaded from there afterwards.
     """
     from transformers import AutoTokenizer
     if source.kind == "hf_dir":
         return AutoTokenizer.from_pretrained(str(source.path))
     stat = source.path.stat()
-    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{TOKENIZER_CACHE_VERSION}"
+                         .encode()).hexdigest()[:16]
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "heterospec" / "tokenizers"
     cached = cache_root / key
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    from gguf import GGUFReader
+    _set_adds_bos(tokenizer, _field(GGUFReader(str(source.path)), "tokenizer.ggml.add_bos_token"), source)
     try:
         tmp = cache_root / f"{key}.tmp{os.getpid()}"
         tokenizer.save_pretrained(str(tmp))
@@ -177,6 +186,22 @@ def load_tokenizer(source: ModelSource):
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tokenizer
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS before a text's tokens."""
+    ids = tokenizer("a").input_ids
+    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def _set_adds_bos(tokenizer, wanted: bool | None, source: ModelSource) -> None:
+    """Make the tokenizer put BOS first exactly when wanted (None: leave it as it is)."""
+    if wanted is None or tokenizer.bos_token_id is None or adds_bos(tokenizer) == bool(wanted):
+        return
+    tokenizer.add_bos_token = bool(wanted)  # the fast tokenizers rebuild their post-processor
+    if adds_bos(tokenizer) != bool(wanted):
+        raise UnsupportedModelError(f"{source.path}: transformers' {type(tokenizer).__name__} does not take the "
+                                    f"file's add_bos_token={bool(wanted)}")
 
 
 def _check_vocab(config: ModelConfig, tokenizer, source: ModelSource) -> None:

@@ -28,7 +28,7 @@ LONG = ("The history of the printing press begins in the fifteenth century, when
         "movable metal type, oil-based ink and a wooden screw press. Within fifty years presses were working in "
         "more than two hundred cities across Europe. The printed book changed how knowledge spread, and within a "
         "century it had reshaped science, religion and politics. Summarize this in one sentence:")
-PROMPTS = [LONG, LONG[:150] + " What came next?", "The capital of France is", "def fibonacci(n):\n    "]
+PROMPTS = [LONG, LONG[:170] + " What came next?", "The capital of France is", "def fibonacci(n):\n    "]
 CP = dict(context_parallel_size=2, cp_min_tokens=20, max_num_batched_tokens=32)
 
 

@@ -287,6 +287,27 @@ def test_windowed_tree_verification_equals_plain(engine_f32, tmp_path, prompt_id
     assert engine.stats.num_accepted_tokens > 40
 
 
+# ---- tokenizer ------------------------------------------------------------------------------
+
+def test_a_gguf_tokenizer_puts_bos_first_as_the_file_says(tmp_path, monkeypatch):
+    """The GGUF's tokenizer.ggml.add_bos_token decides, as in llama.cpp (transformers 4 put
+    BOS first regardless), freshly converted and from the cache; either way can be forced."""
+    from gguf import GGUFReader
+
+    from runtime.models.loader import _set_adds_bos, adds_bos, load_tokenizer, resolve_model
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = resolve_model("smollm2-135m")
+    flag = bool(GGUFReader(str(source.path)).fields["tokenizer.ggml.add_bos_token"].contents())
+    assert flag is False  # SmolLM2's file: raw text starts with its own tokens
+    converted, cached = load_tokenizer(source), load_tokenizer(source)
+    assert len(list((tmp_path / "heterospec" / "tokenizers").iterdir())) == 1
+    for tokenizer in (converted, cached):
+        assert not adds_bos(tokenizer)
+        assert tokenizer("The capital").input_ids == tokenizer("The capital", add_special_tokens=False).input_ids
+    _set_adds_bos(cached, True, source)
+    assert cached("The capital").input_ids[0] == cached.bos_token_id
+
+
 # ---- loader errors -------------------------------------------------------------------------
 
 def test_missing_path_names_the_path(tmp_path):
