@@ -348,7 +348,8 @@ def test_validation_acceptance_per_step_is_what_the_engine_measures(eagle_engine
     accepted, steps = engine.stats.num_accepted_tokens, engine.stats.num_verify_steps
     assert generate(engine, prompts, greedy(speculator="eagle")) == answers
     measured = 1 + (engine.stats.num_accepted_tokens - accepted) / (engine.stats.num_verify_steps - steps)
-    assert 1.2 < measured < 3.5, measured  # neither every draft rejected nor every path accepted
+    # neither every draft rejected (1.0: twice the tolerance below) nor every path accepted
+    assert 1.1 < measured < 3.5, measured
     assert figures["val_step_acceptance"] == pytest.approx(measured, abs=0.05)
 
 
