@@ -20,7 +20,7 @@ import torch
 from runtime.sequence import Sequence
 from tests.helpers import greedy, save_tiny_model
 
-ATOL = 1e-4
+ATOL = 2e-4  # float32 logits of magnitude ~20: summation order alone moves them ~1e-4
 NUM_GREEDY = 64
 
 PROMPTS = [
