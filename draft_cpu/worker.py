@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_cpu.backends import load_quantization, prepare_model, resolve_backend
-from draft_cpu.placement import available_cores, format_core_list, pin_current_thread, place
+from draft_cpu.placement import available_cores, format_core_list, move_other_threads, pin_current_thread, place
 from runtime.block_manager import BlockManager
 from runtime.models.loader import load_model
-from target_gpu.kv_cache import bytes_per_block
+from target_gpu.kv_cache import bytes_per_block, mirror_pool_blocks
 from target_gpu.model_runner import ModelRunner
 
 log = logging.getLogger("draft_cpu.worker")
@@ -59,6 +59,7 @@ class DraftWorkerConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (draft_cpu.backends.load_quantization)
     cpu_cores: list[int] | None = None  # pin the worker here; None: no pinning
     num_kv_tokens: int = 65536  # KV cache capacity in tokens
+    kv_memory_fraction: float = 1.0  # at most this fraction of the device's free memory for it
     block_size: int = 16
     own_thread: bool = True  # False: calls run on the calling thread (InlineExecutor)
     compile_decode: bool = False  # plain decode steps as one compiled graph (target_gpu.compiled_decode), on the
@@ -96,7 +97,12 @@ class DraftWorker:
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-worker") if config.own_thread
                           else InlineExecutor())
         self._thread_id: int | None = None
-        self.submit(self._start).result()
+        self._on_close: list = []  # undo what the worker did to the process (its core placement)
+        try:
+            self.submit(self._start).result()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- thread -------------------------------------------------------------------------
     def submit(self, fn, *args, **kwargs) -> Future:
@@ -104,7 +110,14 @@ class DraftWorker:
         return self._executor.submit(fn, *args, **kwargs)
 
     def close(self) -> None:
+        """Stop the thread; a pinned worker gives the rest of the process its cores back."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        while self._on_close:
+            self._on_close.pop()()
+
+    def on_close(self, undo) -> None:
+        """Call undo() when the worker closes (last registered, first called)."""
+        self._on_close.append(undo)
 
     def _start(self) -> None:
         cfg = self.config
@@ -115,19 +128,22 @@ class DraftWorker:
             all_cores = available_cores()
             pin_current_thread(cfg.cpu_cores)
             self.target_cores = place(cfg.cpu_cores, self._thread_id, all_cores)
+            self.on_close(lambda: move_other_threads(all_cores, keep=set()))
         self.model, self.tokenizer, self.model_config = load_model(cfg.model, cfg.dtype, self.device,
                                                                    load_quantization(cfg.quantization))
         description = prepare_model(self.model, self.backend, cfg.quantization) if self.device.type == "cpu" \
             else f"{cfg.dtype} on {self.device}"
-        num_blocks = max(1, -(-cfg.num_kv_tokens // cfg.block_size))
+        mc = self.model_config
+        per_block = bytes_per_block(mc, cfg.block_size, self.model.dtype)
+        num_blocks = mirror_pool_blocks(cfg.num_kv_tokens, cfg.block_size, per_block, self.device,
+                                        cfg.kv_memory_fraction, "draft model")
         self.compiles_decode = cfg.compile_decode and self.device.type == "cpu" and self.backend == "torch"
         if self.compiles_decode:
             description += ", compiled decode step"
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size, self.device,
                                   compile_decode=self.compiles_decode)
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
-        mc = self.model_config
-        kv_mib = num_blocks * bytes_per_block(mc, cfg.block_size, self.model.dtype) / 2**20
+        kv_mib = num_blocks * per_block / 2**20
         placement = ("cores " + format_core_list(cfg.cpu_cores) + f" ({torch.get_num_threads()} threads)"
                      if cfg.cpu_cores is not None and self.device.type == "cpu"
                      else f"{torch.get_num_threads()} threads, unpinned" if self.device.type == "cpu" else "")

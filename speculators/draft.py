@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -336,7 +337,8 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
     shares_cores = device.type == "cpu" == target.device.type and cores is None
     own_thread = not shares_cores or config.draft_overlap == "on"
     worker = DraftWorker(DraftWorkerConfig(config.draft_model, str(device), dtype, config.draft_backend,
-                                           config.draft_quantization, cores, num_kv_tokens, config.block_size,
+                                           config.draft_quantization, cores, num_kv_tokens,
+                                           config.kv_cache_default_fraction(device), config.block_size,
                                            own_thread=own_thread, compile_decode=not config.enforce_eager))
     try:
         check_same_vocabulary(worker.tokenizer, target.tokenizer, config.draft_model)
@@ -344,6 +346,7 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
         worker.close()
         raise
     if worker.target_cores is not None:  # this (the engine's) thread runs the target there
+        worker.on_close(partial(torch.set_num_threads, torch.get_num_threads()))
         fit_openmp_team(len(worker.target_cores))
     # drafting ahead pays when draft and target do not compete for the same cores
     separate = device.type != target.device.type or worker.target_cores is not None

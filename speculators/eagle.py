@@ -46,7 +46,7 @@ from speculators.heads import shipped_eagle_head
 from runtime.draft_tree import DraftTree
 from runtime.models.tensor_parallel import VocabParallelEmbedding
 from target_gpu.attention import AttentionMetadata, SeqAttentionInput, TorchAttentionBackend
-from target_gpu.kv_cache import KVCache
+from target_gpu.kv_cache import KVCache, bytes_per_block, mirror_pool_blocks
 from speculators.registry import Setting, Speculator
 from speculators.settings import DRAFT_PLACEMENT
 
@@ -80,13 +80,14 @@ class EagleProposer(Proposer):
     needs_features = True  # ProposalRequest.new_features: the target's feature of every committed token
 
     def __init__(self, head: EagleHead | Eagle3Head, device: torch.device, depth: int = 5,
-                 num_kv_tokens: int = 65536, block_size: int = 16):
+                 num_kv_tokens: int = 65536, block_size: int = 16, kv_memory_fraction: float = 1.0):
         self.head = head.eval()
         self.feature_layers = head.feature_layers  # EAGLE-3: the target layers whose inputs it reads
         self.device = device
         self.depth = depth
         self.block_size = block_size
-        num_blocks = max(1, -(-num_kv_tokens // block_size))
+        num_blocks = mirror_pool_blocks(num_kv_tokens, block_size, bytes_per_block(head.config, block_size, head.dtype),
+                                        device, kv_memory_fraction, "EAGLE head")
         self.kv_cache = KVCache(head.config, num_blocks, block_size, head.dtype, device)
         self.attention = TorchAttentionBackend(self.kv_cache)
         self.block_manager = BlockManager(num_blocks, block_size)
@@ -267,7 +268,8 @@ def build_eagle_proposer(config, target) -> EagleProposer:
     log.info("%s head on %s in %s%s; EAGLE-2 trees %d deep", "EAGLE" if uses_lm_head else
              f"EAGLE-3 (target layers {head.feature_layers}, {head.draft_vocab_size} draft tokens)", device,
              str(dtype).replace("torch.", ""), f" ({backend})" if backend else "", config.eagle_depth)
-    return EagleProposer(head, device, config.eagle_depth, num_kv_tokens, config.block_size)
+    return EagleProposer(head, device, config.eagle_depth, num_kv_tokens, config.block_size,
+                         config.kv_cache_default_fraction(device))
 
 
 SPECULATOR = Speculator(

@@ -5,12 +5,15 @@ ids, this module only owns the memory and sizes it.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import psutil
 import torch
 
 from runtime.models.config import ModelConfig
+
+log = logging.getLogger("target_gpu.kv_cache")
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
@@ -53,6 +56,20 @@ def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory:
     if pool_bytes < per_block:
         raise ValueError(f"KV cache memory of {pool_bytes} bytes holds no block (one block is {per_block} bytes)")
     return pool_bytes // per_block, per_block
+
+
+def mirror_pool_blocks(num_tokens: int, block_size: int, per_block: int, device: torch.device,
+                       memory_fraction: float, what: str) -> int:
+    """Blocks of a KV pool that follows the target's sequences (a draft model's, an EAGLE
+    head's): enough for num_tokens, but at most what memory_fraction of the device's free
+    memory holds (at least one block). A sequence the pool has no room for gets no drafts."""
+    wanted = max(1, -(-num_tokens // block_size))
+    fits = int(memory_fraction * free_memory_bytes(device)) // per_block
+    if fits < wanted:
+        log.info("%s KV cache: %d of the %d tokens that would mirror the target's pool fit in %.0f%% of %s's free "
+                 "memory; sequences past them are not drafted for", what, max(fits, 1) * block_size,
+                 wanted * block_size, 100 * memory_fraction, device)
+    return max(1, min(wanted, fits))
 
 
 class KVCache:

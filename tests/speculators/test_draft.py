@@ -282,9 +282,10 @@ _PLACEMENT_SCRIPT = textwrap.dedent("""
     affinity, threads = worker.placement()
     others = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")
               if int(t) != worker._thread_id}
-    print(json.dumps({"affinity": sorted(affinity), "threads": threads, "main_threads": torch.get_num_threads(),
-                      "target_cores": worker.target_cores, "others": list(others.values())}))
     worker.close()
+    after = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]
+    print(json.dumps({"affinity": sorted(affinity), "threads": threads, "main_threads": torch.get_num_threads(),
+                      "target_cores": worker.target_cores, "others": list(others.values()), "after_close": after}))
 """)
 
 
@@ -301,6 +302,60 @@ def test_placement_pins_worker_and_moves_the_rest(tiny_draft_dir):
     rest = [c for c in cores if c not in draft_cores]
     assert got["target_cores"] == rest
     assert all(set(a) <= set(rest) for a in got["others"]), got["others"]
+    assert all(a == cores for a in got["after_close"]), got["after_close"]  # the process has its cores back
+
+
+_ENGINE_PLACEMENT_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from runtime.engine import LLMEngine
+    before = torch.get_num_threads()
+    engine = LLMEngine(enforce_eager=True, dtype="float32", device="cpu", kv_cache_memory="64MiB",
+                       speculator="draft", draft_model=sys.argv[1], draft_cpu_cores=sys.argv[2])
+    during = (torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+    engine.close()
+    print(json.dumps({"before": before, "during": during, "after": torch.get_num_threads(),
+                      "affinity_after": sorted(os.sched_getaffinity(0))}))
+""")
+
+
+def test_closing_a_pinned_draft_gives_the_engine_its_cores_back(tiny_draft_dir):
+    """A draft on cores of its own narrows the engine thread's cores and OpenMP team; closing
+    it (LLM.close, update_speculation) widens them again, so a later draft or a plain target
+    does not run on what was left."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    out = subprocess.run([sys.executable, "-c", _ENGINE_PLACEMENT_SCRIPT, str(tiny_draft_dir), str(cores[-1])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["during"] == [len(cores) - 1, cores[:-1]], got
+    assert got["after"] == got["before"] and got["affinity_after"] == cores, got
+
+
+def test_a_draft_kv_pool_is_capped_by_free_memory(tiny_draft_dir, monkeypatch, caplog):
+    """The draft's pool mirrors the target's, which on a GPU is most of its memory; on the
+    draft's device it takes at most its share of free memory, says so, and a batch too big
+    for it still decodes as without speculation (sequences past it get no drafts)."""
+    import target_gpu.kv_cache as kv_cache
+    from draft_cpu.worker import DraftWorker, DraftWorkerConfig
+    config = DraftWorkerConfig(str(tiny_draft_dir), own_thread=False, num_kv_tokens=10**6, kv_memory_fraction=0.1)
+    worker = DraftWorker(config)
+    per_block = kv_cache.bytes_per_block(worker.model_config, config.block_size, worker.model.dtype)
+    worker.close()
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: 10 * 6 * per_block)  # 0.1 of it: 6 blocks
+    with caplog.at_level(logging.INFO, logger="target_gpu.kv_cache"):
+        worker = DraftWorker(config)
+    assert worker.block_manager.num_blocks == 6
+    assert "sequences past them are not drafted for" in caplog.text
+    worker.close()
+    engine = make_engine(str(tiny_draft_dir), adaptive_speculation=False, num_speculative_tokens=4)
+    try:
+        assert engine.pool.get("draft").worker.block_manager.num_blocks == 6
+        check_lossless(engine)  # 4 requests of about 3 blocks each: some get no drafts
+    finally:
+        engine.close()
 
 
 _AMX_SCRIPT = textwrap.dedent("""
