@@ -102,13 +102,13 @@ class EngineSettings:
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return with_index(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        return device
+        return with_index(device)
 
     def resolved_dtype(self, device: torch.device) -> str:
         """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX, AVX-512 BF16: faster
@@ -136,7 +136,7 @@ class EngineSettings:
         device = torch.device(self.draft_device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("draft device 'cuda' was asked for but torch sees no CUDA device")
-        return device
+        return with_index(device)
 
     def resolved_draft_dtype(self, draft_device: torch.device, target_device: torch.device,
                              target_dtype: str) -> str:
@@ -164,6 +164,13 @@ class EngineSettings:
         """Of free memory, for one rank's KV cache: 0.8 of a GPU's; 0.1 of the host's, shared
         by the ranks on it."""
         return 0.8 if device.type == "cuda" else 0.1 / ranks_per_host
+
+
+def with_index(device: torch.device) -> torch.device:
+    """cuda -> cuda:N (the current device), as tensors report it, so devices compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # the engine's settings and, after them, every registered speculator's (speculators.registry)

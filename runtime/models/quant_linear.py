@@ -259,11 +259,11 @@ class Int4Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.many_rows is not None:
             y = self._quant_linear(x2)
-        elif self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed_weight, self.group_size,
-                                                   self.scales_and_zeros)
+        elif self.on_cuda:  # the kernels take a contiguous input (not a view of EAGLE-3's wider hidden states)
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed_weight,
+                                                   self.group_size, self.scales_and_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed_weight,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed_weight,
                                                            self.group_size, self.scales_and_zeros)
         return self._finish(y.to(x.dtype), shape)  # [..., N]
 
