@@ -63,7 +63,7 @@ run() {
     gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
     [ "$gpus" -ge 2 ] && tests="$tests tests/engine/test_tensor_parallel_engine.py::test_tp2_on_two_gpus_equals_tp1"
     # shellcheck disable=SC2086
-    timeout 200 $PY -m pytest -q -rfE $tests -k "not compile_for_sm90" -p no:cacheprovider \
+    timeout 200 $PY -m pytest -v -rfE --durations=10 $tests -k "not compile_for_sm90" -p no:cacheprovider \
         --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
     tail -25 "$out/tests.txt"
     echo "== benchmarks ($(( SECONDS - start )) s in)"
@@ -71,10 +71,10 @@ run() {
     local common=(--fixed-speculation 4 --repeats 1 --concurrency 1,16 --kv-cache-memory 8GiB)
     timeout 150 $PY -m scripts.bench_gpu "${common[@]}" --model "$STAGE/smollm2" --draft-model "$STAGE/smollm2" \
         --eagle-head speculators/heads/smollm2-135m-eagle3 --max-tokens 64 \
-        --systems plain,plain-eager,lookahead,eagle-target,draft-cpu-overlap,draft-gpu \
+        --systems plain,plain-eager,lookahead,eagle-target,draft-gpu,draft-cpu-overlap \
         --label "SmolLM2-135M shape, random weights (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
     timeout 120 $PY -m scripts.bench_gpu "${common[@]}" --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" \
-        --max-tokens 32 --systems plain,draft-cpu-overlap,draft-gpu \
+        --max-tokens 32 --systems plain,draft-gpu,draft-cpu-overlap \
         --label "Qwen2.5 1.5B shape, random weights (draft: 0.5B shape)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
     if [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: TP=1 against TP=2
         timeout 120 $PY -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16 --model "$STAGE/qwen15" \
