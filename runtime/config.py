@@ -165,6 +165,14 @@ class EngineSettings:
         by the ranks on it."""
         return 0.8 if device.type == "cuda" else 0.1 / ranks_per_host
 
+    def draft_kv_fraction(self, draft_device: torch.device, target_device: torch.device) -> float:
+        """Of free memory, at most, for a draft model's or head's KV pool: a KV cache's default
+        share of its device, but half of what the target's pool left on the target's GPU
+        (the rest is for activations and graphs)."""
+        if draft_device == target_device and draft_device.type == "cuda":
+            return 0.5
+        return self.kv_cache_default_fraction(draft_device)
+
 
 def with_index(device: torch.device) -> torch.device:
     """cuda -> cuda:N (the current device), as tensors report it, so devices compare equal."""

@@ -108,7 +108,7 @@ class ProposerPool:
         return self.wants_hidden or any(p.needs_logits for p in self.proposers.values())
 
     def close(self) -> None:
-        for proposer in self.proposers.values():
+        for proposer in reversed(list(self.proposers.values())):  # last built first: each undoes its placement
             proposer.close()
         self.proposers.clear()
         if self.runner.feature_layers:

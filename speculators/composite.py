@@ -106,5 +106,5 @@ class CompositeProposer(Proposer):
             part.release(request_id)
 
     def close(self) -> None:
-        for part in self.parts:
+        for part in reversed(self.parts):  # last built first: each undoes its placement
             part.close()

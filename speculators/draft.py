@@ -147,7 +147,7 @@ class DraftModelProposer(Proposer):
             for s in active:  # the chain's last token joins the sequence, unless drafted ahead already
                 if s.chain and len(s.seq.token_ids) == s.base + len(s.chain) - 1:
                     s.seq.token_ids.append(s.nodes[s.chain[-1]].token)
-            active = [s for s in active if worker.can_run(s.seq)]
+            active = [s for s, fits in zip(active, worker.fitting([s.seq for s in active])) if fits]
             if not active:
                 break
             logits = self._to_target_vocab(worker.forward([s.seq for s in active]))  # [B, V]
@@ -192,7 +192,8 @@ class DraftModelProposer(Proposer):
         items = [(worker.sequences[rid], self._ahead[rid]) for rid in request_ids
                  if rid in worker.sequences and rid in self._ahead]
         for _ in range(max((a.max_tokens for _, a in items), default=0)):
-            items = [(seq, a) for seq, a in items if len(a.probs_at) < a.max_tokens and worker.can_run(seq)]
+            items = [(seq, a) for seq, a in items if len(a.probs_at) < a.max_tokens]
+            items = [item for item, fits in zip(items, worker.fitting([seq for seq, _ in items])) if fits]
             if done.is_set() or not items:
                 return
             logits = self._to_target_vocab(worker.forward([seq for seq, _ in items]))  # [B, V]
@@ -338,7 +339,7 @@ def build_draft_proposer(config, target) -> DraftModelProposer:
     own_thread = not shares_cores or config.draft_overlap == "on"
     worker = DraftWorker(DraftWorkerConfig(config.draft_model, str(device), dtype, config.draft_backend,
                                            config.draft_quantization, cores, num_kv_tokens,
-                                           config.kv_cache_default_fraction(device), config.block_size,
+                                           config.draft_kv_fraction(device, target.device), config.block_size,
                                            own_thread=own_thread, compile_decode=not config.enforce_eager))
     try:
         check_same_vocabulary(worker.tokenizer, target.tokenizer, config.draft_model)

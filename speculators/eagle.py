@@ -106,6 +106,7 @@ class EagleProposer(Proposer):
     # ---- 1. feed the committed features ----------------------------------------------------------
     def _feed(self, requests: list[ProposalRequest]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         runs = []  # (request index, seq, first position, feature rows [n, H], token ids [n])
+        free = self.block_manager.num_free_blocks  # what the runs taken so far leave
         for i, r in enumerate(requests):
             seq = self.seqs.setdefault(r.request_id, _HeadSeq())
             for start, hidden in r.new_features:
@@ -119,8 +120,10 @@ class EagleProposer(Proposer):
                 del seq.features[p]
             if last < 0 or any(p not in seq.features for p in range(first, last + 1)):
                 continue  # features missing (the head joined mid-request): nothing to draft from
-            if not self.block_manager.can_allocate(seq, last + 1 - seq.num_computed_tokens):
+            need = self.block_manager.num_missing_blocks(seq, last + 1 - seq.num_computed_tokens)
+            if need > free:
                 continue
+            free -= need
             feats = torch.stack([seq.features.pop(p) for p in range(first, last)] + [seq.features[last]])  # [n, F]
             seq.features[last] = seq.features[last].clone()  # kept (for a rerun), without the chunk it views
             runs.append((i, seq, first, feats, r.token_ids[first + 1:last + 2]))
@@ -155,6 +158,7 @@ class EagleProposer(Proposer):
             states[i] = (nodes, {k: feature for k in range(len(nodes))})  # depth-1 inputs read the fed feature
         for depth in range(2, self.depth + 1):
             batch = []  # (request index, node indices to expand)
+            free = self.block_manager.num_free_blocks  # what the batch taken so far leaves
             for i, (nodes, parent_feature) in states.items():
                 r = requests[i]
                 if depth > r.max_nodes:  # no node this deep fits the budget
@@ -166,7 +170,9 @@ class EagleProposer(Proposer):
                 chosen = sorted(newest, key=lambda k: -nodes[k].value)[:max(1, r.tree_width)]
                 seq = self.seqs[r.request_id]
                 expanded = sum(1 for node in nodes if node.slot_index >= 0)
-                if chosen and self.block_manager.can_allocate(seq, expanded + len(chosen)):
+                need = self.block_manager.num_missing_blocks(seq, expanded + len(chosen))
+                if chosen and need <= free:
+                    free -= need
                     batch.append((i, chosen))
             if not batch:
                 break
@@ -269,7 +275,7 @@ def build_eagle_proposer(config, target) -> EagleProposer:
              f"EAGLE-3 (target layers {head.feature_layers}, {head.draft_vocab_size} draft tokens)", device,
              str(dtype).replace("torch.", ""), f" ({backend})" if backend else "", config.eagle_depth)
     return EagleProposer(head, device, config.eagle_depth, num_kv_tokens, config.block_size,
-                         config.kv_cache_default_fraction(device))
+                         config.draft_kv_fraction(device, target.device))
 
 
 SPECULATOR = Speculator(

@@ -203,12 +203,16 @@ def test_split_cores():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_on_two_gpus_equals_tp1(engine_f32, generate):
+def test_tp2_on_two_gpus_equals_tp1(generate):
     """The CUDA path (rank i on cuda:i, activations over NCCL) on a tiny model: 32 greedy
-    tokens equal to one GPU's, float32 (scripts/device_check.sh runs it on a multi-GPU box)."""
+    tokens equal to one GPU's, float32 (scripts/device_check.sh runs it on a multi-GPU box,
+    where the default model's tokenizer comes with HETEROSPEC_CUDA_MODEL)."""
+    import os
     import tempfile
+    from runtime.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    tokenizer = load_tokenizer(resolve_model(os.environ.get("HETEROSPEC_CUDA_MODEL") or DEFAULT_MODEL))
     with tempfile.TemporaryDirectory() as directory:
-        save_tiny_model("qwen2", directory, engine_f32.tokenizer)
+        save_tiny_model("qwen2", directory, tokenizer)
         outputs = {}
         for tp in (1, 2):
             engine = new_engine(model=directory, device="cuda", tensor_parallel_size=tp, kv_cache_memory="64MiB")

@@ -347,7 +347,7 @@ def test_graph_steps_are_padded_decode_and_verify_steps(feature_layers, min_spli
     assert graph_runner.graphs is not None and graph_runner.graphs.sizes[-1] == 16
     assert graph_runner.graphs.feature_layers == feature_layers
     split = 4 if min_split_keys else 1
-    assert set(splits) <= {split}  # the graphs' forwards (captured on CUDA: no calls at replay)
+    assert set(splits) == ({split} if CUDA else set())  # the graphs' forwards, captured (no calls at replay)
     splits.clear()
     graph_calls = []
     run = graph_runner.graphs.run

@@ -153,6 +153,24 @@ def test_proposer_drafts_a_valid_tree_within_budget_and_width():
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
 
 
+def test_requests_that_fit_the_pool_only_alone_are_drafted_in_turn():
+    """Two requests that need 2 blocks each, a pool of 3: the first is drafted for, the
+    second gets no tree this step (never an out-of-blocks error that costs both)."""
+    cfg = tiny_config()
+    proposer = EagleProposer(random_head(cfg, 1, std=0.5), torch.device("cpu"), depth=3, num_kv_tokens=12,
+                             block_size=4)
+    tokens = [1, 5, 9, 12, 3, 7]  # 5 fed inputs: 2 blocks
+    params = SamplingParams(temperature=0.0)
+    requests = [ProposalRequest(rid, tokens, 3, 6, 2, params,
+                                new_features=[(0, torch.randn(len(tokens) - 1, cfg.hidden_size))])
+                for rid in ("a", "b")]
+    first, second = proposer.propose(requests)
+    assert len(first) > 0 and len(second) == 0
+    for rid in ("a", "b"):
+        proposer.release(rid)
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("feature_layers", [(), (2, 15, 27)], ids=["final", "eagle3-layers"])
