@@ -47,16 +47,17 @@ load_tokenizer(resolve_model(DEFAULT_MODEL)).save_pretrained(sys.argv[1])" "$CAR
 
 run() {
     local out=${OUT:-/tmp/device_check} start=$SECONDS
+    [ -d "$CARRY/wheels" ] && [ -d "$CARRY/tokenizer" ] || { echo "no $CARRY: run prepare, then carry it" >&2; exit 2; }
     mkdir -p "$SITE" "$out"
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
     export USE_HUB_KERNELS=NO HETEROSPEC_CUDA_MODEL=$STAGE/smollm2
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, 'cpus', len(__import__('os').sched_getaffinity(0)))"
-    $PY -m scripts.make_random_model --shape smollm2-135m --tokenizer "$CARRY/tokenizer" --out "$STAGE/smollm2"
-    $PY -m scripts.make_random_model --shape qwen2.5-1.5b --out "$STAGE/qwen15" >/dev/null
-    $PY -m scripts.make_random_model --shape qwen2.5-0.5b --out "$STAGE/qwen05" >/dev/null
+    $PY -m scripts.make_random_model --shape smollm2-135m --tokenizer "$CARRY/tokenizer" --out "$STAGE/smollm2" \
+        && $PY -m scripts.make_random_model --shape qwen2.5-1.5b --out "$STAGE/qwen15" \
+        && $PY -m scripts.make_random_model --shape qwen2.5-0.5b --out "$STAGE/qwen05" || exit 1
     echo "== GPU tests ($(( SECONDS - start )) s in)"
     local tests="tests/kernels/test_cuda.py tests/kernels/test_triton_attention.py tests/kernels/test_attention.py"
     local gpus
@@ -65,6 +66,8 @@ run() {
     # shellcheck disable=SC2086
     timeout 200 $PY -m pytest -v -rfE --durations=10 $tests -k "not compile_for_sm90" -p no:cacheprovider \
         --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
+    local tests_rc=$?
+    local status="tests: exit $tests_rc (124: timed out)"
     tail -25 "$out/tests.txt"
     echo "== benchmarks ($(( SECONDS - start )) s in)"
     : > "$out/bench.md"
@@ -73,14 +76,19 @@ run() {
         --eagle-head speculators/heads/smollm2-135m-eagle3 --max-tokens 64 \
         --systems plain,plain-eager,lookahead,eagle-target,draft-gpu,draft-cpu-overlap \
         --label "SmolLM2-135M shape, random weights (draft: itself)" 2>"$out/bench_smollm2.log" | tee -a "$out/bench.md"
+    status="$status; SmolLM2 benchmark: exit ${PIPESTATUS[0]}"
     timeout 120 $PY -m scripts.bench_gpu "${common[@]}" --model "$STAGE/qwen15" --draft-model "$STAGE/qwen05" \
         --max-tokens 32 --systems plain,draft-gpu,draft-cpu-overlap \
         --label "Qwen2.5 1.5B shape, random weights (draft: 0.5B shape)" 2>"$out/bench_qwen.log" | tee -a "$out/bench.md"
+    status="$status; Qwen benchmark: exit ${PIPESTATUS[0]}"
     if [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: TP=1 against TP=2
         timeout 120 $PY -m scripts.bench_tp --device cuda --tp 2 --dtype bfloat16 --model "$STAGE/qwen15" \
             --batch-sizes 1,16 --max-tokens 32 --repeats 1 2>"$out/bench_tp.log" | tee -a "$out/bench.md"
+        status="$status; TP benchmark: exit ${PIPESTATUS[0]}"
     fi
-    echo; echo "== summary ($(( SECONDS - start )) s)"; tail -3 "$out/tests.txt"; cat "$out/bench.md"
+    echo; echo "== summary ($(( SECONDS - start )) s): $status"; tail -3 "$out/tests.txt"; cat "$out/bench.md"
+    echo "$status" >> "$out/bench.md"
+    return $tests_rc
 }
 
 case "${1:-run}" in

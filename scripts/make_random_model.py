@@ -94,8 +94,8 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 def copy_tokenizer(source: Path, out: Path, vocab_size: int) -> None:
     """A saved tokenizer's files (tokenizer.json, its configs, a chat template) into out."""
-    files = [f for f in source.iterdir() if f.is_file() and (f.suffix in (".json", ".jinja", ".txt", ".model"))]
-    if not (source / "tokenizer.json").is_file() and not (source / "tokenizer.model").is_file():
+    files = [f for f in source.iterdir() if f.is_file() and (f.suffix in (".json", ".jinja", ".txt"))]
+    if not (source / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer {source}: no saved tokenizer there (tokenizer.json)")
     for f in files:
         if f.name != "config.json":
