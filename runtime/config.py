@@ -102,13 +102,13 @@ class EngineSettings:
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
-            return with_index(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        return with_index(device)
+        return device
 
     def resolved_dtype(self, device: torch.device) -> str:
         """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX, AVX-512 BF16: faster
@@ -175,7 +175,8 @@ class EngineSettings:
 
 
 def with_index(device: torch.device) -> torch.device:
-    """cuda -> cuda:N (the current device), as tensors report it, so devices compare equal."""
+    """cuda -> cuda:N (the current device), as tensors report it, so devices compare equal
+    (it starts CUDA: call it where this process's device is set)."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

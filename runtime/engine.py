@@ -23,7 +23,7 @@ import torch
 
 from draft_cpu.placement import on_a_thread_of_its_own, parse_core_list
 from runtime.block_manager import BlockManager
-from runtime.config import SPECULATION_ARGS, EngineConfig
+from runtime.config import SPECULATION_ARGS, EngineConfig, with_index
 from runtime.logprobs import TokenLogprobs, layout_logprobs
 from runtime.models.loader import load_model
 from runtime.models.packed_linear import prepack_linears
@@ -52,11 +52,11 @@ log = logging.getLogger("runtime.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.device)
         launch = config.tp_launch()
         if launch is not None and launch.rank != 0:  # another node's ranks, or a torchrun rank > 0
             sys.exit(run_node(launch))
+        self.device = with_index(config.resolved_device())  # cuda:N, as its tensors say (ranks > 0 left above)
+        self.dtype = config.resolved_dtype(self.device)
         quantization = config.resolved_quantization(launch)
         self._ranks_per_host = launch.ranks_per_node if launch is not None else 1
         load_device = torch.device("cpu") if launch is not None else self.device  # sharded before it moves
