@@ -196,12 +196,7 @@ class DraftWorker:
     def fitting(self, seqs: list[DraftSequence]) -> list[bool]:
         """Which of seqs the pool has blocks for in one forward together, taken in order (each
         may fit alone while two cannot share the last free block)."""
-        free, fits = self.block_manager.num_free_blocks, []
-        for seq in seqs:
-            need = self.block_manager.num_missing_blocks(seq, len(seq.token_ids) - seq.num_computed_tokens)
-            fits.append(need <= free)
-            free -= need if need <= free else 0
-        return fits
+        return self.block_manager.fitting([(seq, len(seq.token_ids) - seq.num_computed_tokens) for seq in seqs])
 
     @torch.inference_mode()
     def forward(self, seqs: list[DraftSequence]) -> torch.Tensor:

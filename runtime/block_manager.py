@@ -76,6 +76,17 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
+    def fitting(self, demands: list[tuple[Sequence, int]]) -> list[bool]:
+        """Which (seq, new tokens) demands the free blocks cover when allocated together, taken
+        in order (each may fit alone while two cannot share the last free block)."""
+        free, fits = self.num_free_blocks, []
+        for seq, num_new_tokens in demands:
+            need = self.num_missing_blocks(seq, num_new_tokens)
+            fits.append(need <= free)
+            if need <= free:
+                free -= need
+        return fits
+
     def may_append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq's block table so the next `num_new_tokens` tokens have slots."""
         missing = self.num_missing_blocks(seq, num_new_tokens)

@@ -105,8 +105,7 @@ class EagleProposer(Proposer):
 
     # ---- 1. feed the committed features ----------------------------------------------------------
     def _feed(self, requests: list[ProposalRequest]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        runs = []  # (request index, seq, first position, feature rows [n, H], token ids [n])
-        free = self.block_manager.num_free_blocks  # what the runs taken so far leave
+        ready = []  # (request index, seq, first position, last position): features there to run
         for i, r in enumerate(requests):
             seq = self.seqs.setdefault(r.request_id, _HeadSeq())
             for start, hidden in r.new_features:
@@ -120,13 +119,15 @@ class EagleProposer(Proposer):
                 del seq.features[p]
             if last < 0 or any(p not in seq.features for p in range(first, last + 1)):
                 continue  # features missing (the head joined mid-request): nothing to draft from
-            need = self.block_manager.num_missing_blocks(seq, last + 1 - seq.num_computed_tokens)
-            if need > free:
+            ready.append((i, seq, first, last))
+        runs = []  # (request index, seq, first position, feature rows [n, H], token ids [n])
+        fits = self.block_manager.fitting([(seq, last + 1 - seq.num_computed_tokens) for _, seq, _, last in ready])
+        for (i, seq, first, last), fit in zip(ready, fits):
+            if not fit:
                 continue
-            free -= need
             feats = torch.stack([seq.features.pop(p) for p in range(first, last)] + [seq.features[last]])  # [n, F]
             seq.features[last] = seq.features[last].clone()  # kept (for a rerun), without the chunk it views
-            runs.append((i, seq, first, feats, r.token_ids[first + 1:last + 2]))
+            runs.append((i, seq, first, feats, requests[i].token_ids[first + 1:last + 2]))
         if not runs:
             return {}
         ids, positions, features, slots, inputs, last_rows = [], [], [], [], [], []
@@ -157,8 +158,7 @@ class EagleProposer(Proposer):
             nodes = [_Node(float(v.exp()), 1, int(t), -1) for v, t in zip(top.values, tokens)]
             states[i] = (nodes, {k: feature for k in range(len(nodes))})  # depth-1 inputs read the fed feature
         for depth in range(2, self.depth + 1):
-            batch = []  # (request index, node indices to expand)
-            free = self.block_manager.num_free_blocks  # what the batch taken so far leaves
+            wanted = []  # (request index, node indices to expand, seq, its new inputs)
             for i, (nodes, parent_feature) in states.items():
                 r = requests[i]
                 if depth > r.max_nodes:  # no node this deep fits the budget
@@ -170,10 +170,10 @@ class EagleProposer(Proposer):
                 chosen = sorted(newest, key=lambda k: -nodes[k].value)[:max(1, r.tree_width)]
                 seq = self.seqs[r.request_id]
                 expanded = sum(1 for node in nodes if node.slot_index >= 0)
-                need = self.block_manager.num_missing_blocks(seq, expanded + len(chosen))
-                if chosen and need <= free:
-                    free -= need
-                    batch.append((i, chosen))
+                if chosen:
+                    wanted.append((i, chosen, seq, expanded + len(chosen)))
+            fits = self.block_manager.fitting([(seq, n) for _, _, seq, n in wanted])
+            batch = [(i, chosen) for (i, chosen, _, _), fit in zip(wanted, fits) if fit]
             if not batch:
                 break
             self._expand_depth(requests, states, batch)
