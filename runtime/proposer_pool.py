@@ -1,7 +1,9 @@
 """The proposers one engine runs, and everything between them and the step.
 
-The pool builds a speculator's proposer on first use (speculators.registry) and has the
-target hand out the feature layers its proposers read; it keeps a circuit breaker per
+The pool builds a speculator's proposer on first use (speculators.registry), a
+combination's from the pool's proposers of its parts (one draft worker, one EAGLE head,
+whichever names the requests use), and has the target hand out the feature layers its
+proposers read; it keeps a circuit breaker per
 proposer (a failing proposer costs drafts, never requests: docs/architecture.md, Nothing
 is lost); it sizes each sequence's draft with the SpeculationController and asks each
 proposer for its sequences' trees; it lets proposers with their own worker draft ahead
@@ -42,7 +44,8 @@ class ProposerPool:
         """The proposer for a speculator name, built on first use; ValueError when it cannot be."""
         proposer = self.proposers.get(name)
         if proposer is None:
-            proposer = self.proposers[name] = build_proposer(name, self.config, self.target)
+            proposer = build_proposer(name, self.config, self.target, part=self.get)  # parts first
+            self.proposers[name] = proposer
             try:
                 self._sync_feature_layers()
             except ValueError:

@@ -21,6 +21,8 @@ assumes when it measures what each node is worth (runtime.speculation).
 Nodes are verified as one-hot proposals (a part's draft_probs are dropped), which is
 lossless for any way of choosing the tokens; a sampled draft model merely loses the
 extra acceptance its probabilities would give.
+The parts belong to the engine's proposer pool, which shares each with the requests that
+ask for that part alone: the composite neither closes them nor counts their workers' time.
 """
 from __future__ import annotations
 
@@ -94,9 +96,6 @@ class CompositeProposer(Proposer):
                 return done
         return None
 
-    def busy_between(self, t0: float, t1: float) -> float:
-        return sum(part.busy_between(t0, t1) for part in self.parts)
-
     def on_accepted(self, request_id: str, token_ids: list[int], num_accepted: int) -> None:
         for part in self.parts:
             part.on_accepted(request_id, token_ids, num_accepted)
@@ -105,6 +104,3 @@ class CompositeProposer(Proposer):
         for part in self.parts:
             part.release(request_id)
 
-    def close(self) -> None:
-        for part in reversed(self.parts):  # last built first: each undoes its placement
-            part.close()

@@ -161,13 +161,16 @@ def default_tree_width(name: str) -> int:
     return 1 if name == NONE else get(parts(name)[0]).tree_width
 
 
-def build_proposer(name: str, config, target):
+def build_proposer(name: str, config, target, part=None):
     """The proposer for a speculator name, from the engine's config and the target's
-    TargetInfo; a combined name builds its parts and merges their trees."""
+    TargetInfo. A combined name merges the trees of its parts, which part(part_name) gives:
+    the engine's pool (runtime.proposer_pool), which owns and closes them and shares each
+    with the requests that ask for that part alone (one draft worker, one EAGLE head)."""
     split = parts(name)
     if len(split) > 1:
+        if part is None:
+            raise ValueError(f"{name!r} combines speculators: its parts come from part(name)")
         from speculators.composite import CompositeProposer
-        return CompositeProposer([build_proposer(p, config, target) for p in split],
-                                 [get(p).num_speculative_tokens for p in split],
+        return CompositeProposer([part(p) for p in split], [get(p).num_speculative_tokens for p in split],
                                  [config.tree_width(p) for p in split])
     return get(name).build(config, target)

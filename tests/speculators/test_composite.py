@@ -9,6 +9,8 @@
 - Greedy lossless on the default model, float32, batched: `ngram+lookahead` gives the
   output of `--speculator none` and verifies nodes from both parts (`eagle+lookahead`
   with a trained head: test_eagle3.py).
+- The parts are the pool's: `draft+lookahead` with a draft model runs one draft worker,
+  shared with the requests that ask for `draft` alone, and a batch of both is lossless.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from speculators.registry import check_name as check_speculator
 from speculators.base import ProposalRequest, Proposer
 from speculators.composite import CompositeProposer, merge_trees, split_budget
 from runtime.draft_tree import DraftTree
-from tests.helpers import new_engine
+from tests.helpers import new_engine, save_tiny_model
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -188,7 +190,30 @@ def test_ngram_plus_lookahead_is_greedy_lossless(engine_f32, generate):
         assert generate(engine, PROMPTS, params[1]) == plain
         assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > 0
         composite = engine.pool.get("ngram+lookahead")
-        assert [p.name for p in composite.parts] == ["ngram", "lookahead"]
+        assert composite.parts == [engine.pool.get("ngram"), engine.pool.get("lookahead")]  # the pool's
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         engine.close()
+
+
+def test_a_combination_shares_its_draft_worker_with_draft_requests(engine_f32, generate, tmp_path, monkeypatch):
+    """One draft model, one worker: the combination's draft part is the pool's `draft`
+    proposer (two would load the model twice and fight over its cores)."""
+    from draft_cpu import worker as worker_module
+    save_tiny_model("llama3", tmp_path, engine_f32.tokenizer)
+    started, closed = [], []
+    init, close = worker_module.DraftWorker.__init__, worker_module.DraftWorker.close
+    monkeypatch.setattr(worker_module.DraftWorker, "__init__", lambda self, c: started.append(self) or init(self, c))
+    monkeypatch.setattr(worker_module.DraftWorker, "close", lambda self: closed.append(self) or close(self))
+    names = ["draft+lookahead", "draft", "draft+lookahead"]
+    plain = generate(engine_f32, PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    engine = new_engine(speculator="draft+lookahead", draft_model=str(tmp_path), draft_dtype="float32",
+                        adaptive_speculation=False)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculator=s) for s in names]
+        assert generate(engine, PROMPTS, params) == plain
+        assert engine.pool.get("draft+lookahead").parts[0] is engine.pool.get("draft")
+        assert len(started) == 1 and engine.stats.num_draft_tokens > 0
+    finally:
+        engine.close()
+    assert closed == started  # closed once, by the pool
