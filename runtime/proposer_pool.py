@@ -22,6 +22,7 @@ from runtime.sequence import Sequence
 from runtime.speculation import SpeculationController
 from runtime.verify_layout import EMPTY_TREE, VerifyLayout
 from speculators import ProposalRequest, Proposer, TargetInfo, build_proposer
+from speculators.registry import parts
 
 log = logging.getLogger("runtime.proposer_pool")
 NONE = "none"
@@ -194,19 +195,23 @@ class ProposerPool:
             seq.draft_tree = extended
 
     def draft_ahead(self, layout: VerifyLayout) -> list:
-        """Let proposers with their own worker keep drafting while the target verifies;
-        returns the events to set when verification is done."""
-        verifying: dict[str, list] = {}
+        """Let proposers with their own worker keep drafting while the target verifies,
+        each once for all its sequences (a combination's parts are the pool's proposers of
+        those names) and only while its breaker is closed; returns the events to set when
+        verification is done."""
+        verifying: dict[str, list] = {}  # part name -> (request id, tree) pairs
         for seq, tree in zip(layout.seqs, layout.trees):
-            if len(tree):
-                verifying.setdefault(seq.speculator, []).append((seq.request_id, tree))
+            for part in (parts(seq.speculator) if len(tree) else ()):
+                verifying.setdefault(part, []).append((seq.request_id, tree))
         events = []
-        for name, pairs in verifying.items():
+        for part, pairs in verifying.items():
+            if self._breaker(part).is_open:
+                continue
             try:
-                done = self.proposers[name].draft_ahead(pairs)
+                done = self.proposers[part].draft_ahead(pairs)
             except Exception:
-                log.exception("proposer %s failed to draft ahead", name)
-                self._breaker(name).record_failure()
+                log.exception("proposer %s failed to draft ahead", part)
+                self._breaker(part).record_failure()
                 continue
             if done is not None:
                 events.append(done)

@@ -22,7 +22,8 @@ Nodes are verified as one-hot proposals (a part's draft_probs are dropped), whic
 lossless for any way of choosing the tokens; a sampled draft model merely loses the
 extra acceptance its probabilities would give.
 The parts belong to the engine's proposer pool, which shares each with the requests that
-ask for that part alone: the composite neither closes them nor counts their workers' time.
+ask for that part alone: the composite neither closes them, nor counts their workers' time,
+nor has them draft ahead during verification (the pool asks each part once a step).
 """
 from __future__ import annotations
 
@@ -87,14 +88,6 @@ class CompositeProposer(Proposer):
             for i, tree in zip(asked, part.propose(sub)):
                 trees[i].append(tree)
         return [merge_trees(t).truncated(r.max_nodes) for r, t in zip(requests, trees)]
-
-    def draft_ahead(self, verifying):
-        """The first part that drafts during verification (a draft model) does; one at most."""
-        for part in self.parts:
-            done = part.draft_ahead(verifying)
-            if done is not None:
-                return done
-        return None
 
     def on_accepted(self, request_id: str, token_ids: list[int], num_accepted: int) -> None:
         for part in self.parts:

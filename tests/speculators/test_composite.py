@@ -10,7 +10,8 @@
   output of `--speculator none` and verifies nodes from both parts (`eagle+lookahead`
   with a trained head: test_eagle3.py).
 - The parts are the pool's: `draft+lookahead` with a draft model runs one draft worker,
-  shared with the requests that ask for `draft` alone, and a batch of both is lossless.
+  shared with the requests that ask for `draft` alone, and a batch of both is lossless;
+  a part that fails to draft ahead opens its breaker, never fails a request.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from speculators.registry import check_name as check_speculator
 from speculators.base import ProposalRequest, Proposer
 from speculators.composite import CompositeProposer, merge_trees, split_budget
 from runtime.draft_tree import DraftTree
-from tests.helpers import new_engine, save_tiny_model
+from tests.helpers import new_engine, save_tiny_model, toy_speculator
 
 PROMPTS = [
     "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple,",
@@ -198,22 +199,56 @@ def test_ngram_plus_lookahead_is_greedy_lossless(engine_f32, generate):
 
 def test_a_combination_shares_its_draft_worker_with_draft_requests(engine_f32, generate, tmp_path, monkeypatch):
     """One draft model, one worker: the combination's draft part is the pool's `draft`
-    proposer (two would load the model twice and fight over its cores)."""
+    proposer (two would load the model twice and fight over its cores), and it drafts
+    ahead for both names' requests at once."""
     from draft_cpu import worker as worker_module
+    from speculators.draft import DraftModelProposer
     save_tiny_model("llama3", tmp_path, engine_f32.tokenizer)
     started, closed = [], []
     init, close = worker_module.DraftWorker.__init__, worker_module.DraftWorker.close
     monkeypatch.setattr(worker_module.DraftWorker, "__init__", lambda self, c: started.append(self) or init(self, c))
     monkeypatch.setattr(worker_module.DraftWorker, "close", lambda self: closed.append(self) or close(self))
+    ahead_calls, draft_ahead = [], DraftModelProposer.draft_ahead
+    monkeypatch.setattr(DraftModelProposer, "draft_ahead",
+                        lambda self, pairs: ahead_calls.append(len(pairs)) or draft_ahead(self, pairs))
     names = ["draft+lookahead", "draft", "draft+lookahead"]
     plain = generate(engine_f32, PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     engine = new_engine(speculator="draft+lookahead", draft_model=str(tmp_path), draft_dtype="float32",
-                        adaptive_speculation=False)
+                        adaptive_speculation=False, draft_overlap="on")
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculator=s) for s in names]
         assert generate(engine, PROMPTS, params) == plain
         assert engine.pool.get("draft+lookahead").parts[0] is engine.pool.get("draft")
         assert len(started) == 1 and engine.stats.num_draft_tokens > 0
+        assert max(ahead_calls) == len(names)  # one call a step, all three requests
     finally:
         engine.close()
     assert closed == started  # closed once, by the pool
+
+
+class FailsAhead(Recorder):
+    def __init__(self, name, base_token):
+        super().__init__(name, base_token)
+        self.ahead_calls = 0
+
+    def draft_ahead(self, verifying):
+        self.ahead_calls += 1
+        raise RuntimeError("the draft worker crashed")
+
+
+def test_a_part_failing_to_draft_ahead_costs_drafts_not_requests(engine_f32, generate):
+    """The part's breaker opens and it is no longer asked to draft ahead; the combination
+    goes on drafting, and the outputs are plain decoding's."""
+    proposer = FailsAhead("failsahead", 100)
+    name = toy_speculator("failsahead", proposer, num_speculative_tokens=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = generate(engine_f32, PROMPTS, params)
+    engine = new_engine(speculator=f"{name}+ngram", adaptive_speculation=False)
+    try:
+        assert generate(engine, PROMPTS, params) == plain
+        breaker = engine.pool.breakers[name]
+        assert breaker.is_open and proposer.ahead_calls <= breaker.max_failures + 1  # + a retry after cooling down
+        assert not engine.pool.breakers[f"{name}+ngram"].is_open and len(proposer.asked) > breaker.max_failures
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
