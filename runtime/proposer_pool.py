@@ -69,6 +69,7 @@ class ProposerPool:
             self.get(config.speculator)
         if config.draft_model:
             self.get("draft")
+        self._sync_feature_layers()  # none wanted: the last pool's, if any, are dropped
         if config.speculator != NONE or config.draft_model:
             log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
                      config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
@@ -112,11 +113,11 @@ class ProposerPool:
         return self.wants_hidden or any(p.needs_logits for p in self.proposers.values())
 
     def close(self) -> None:
+        """Close the proposers (the target keeps handing out their feature layers until the
+        next pool loads: resetting them would recompile its step on the way out)."""
         for proposer in reversed(list(self.proposers.values())):  # last built first: each undoes its placement
             proposer.close()
         self.proposers.clear()
-        if self.runner.feature_layers:
-            self.runner.set_feature_layers(())
 
     # ---- drafting -----------------------------------------------------------------------
     def _breaker(self, name: str) -> CircuitBreaker:

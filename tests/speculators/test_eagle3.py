@@ -401,7 +401,8 @@ def test_eagle3_head_through_the_draft_backends_is_greedy_lossless(eagle_engine,
 
 def test_proposers_reading_different_target_layers_are_refused():
     """A request asking for a proposer that reads other target layers than one already
-    loaded is refused, and the loaded one keeps its layers."""
+    loaded is refused, and the loaded one keeps its layers; without it, the target hands
+    out none (and closing keeps them: resetting would recompile the step on the way out)."""
     from speculators.ngram import NGramProposer
     from tests.helpers import new_engine, toy_speculator
     first, second = NGramProposer(1, 3), NGramProposer(1, 3)
@@ -412,6 +413,12 @@ def test_proposers_reading_different_target_layers_are_refused():
         with pytest.raises(ValueError, match="different target layers"):
             engine.add_request("hi", greedy(4, speculator=toy_speculator("reads-other-layers", second)))
         assert engine.runner.feature_layers == SMOLLM_LAYERS and not engine.has_unfinished
+        engine.update_speculation(speculator="none")
+        assert engine.runner.feature_layers == ()
+        engine.update_speculation(speculator="reads-layers")
+        assert engine.runner.feature_layers == SMOLLM_LAYERS
+        compiled = []
+        engine.runner._make_graphs = lambda: compiled.append(True)
     finally:
         engine.close()
-    assert engine.runner.feature_layers == ()
+    assert engine.runner.feature_layers == SMOLLM_LAYERS and not compiled
