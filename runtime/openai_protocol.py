@@ -9,7 +9,11 @@ also max_completion_tokens), temperature, top_p, seed, stop, logprobs (completio
 number of most likely tokens to list; chat: a bool, with top_logprobs), user, and the
 extensions top_k, ignore_eos, stop_token_ids, include_stop_str_in_output and
 `speculation` (this request's proposer: {"method": "lookahead", "num_speculative_tokens":
-4}, or "off"). Unknown fields are ignored, as OpenAI does.
+4}, or "off"). Unknown fields are ignored, as vLLM does. OpenAI fields that change the
+output and are not implemented here (presence_penalty, frequency_penalty, logit_bias;
+completions also echo, suffix and best_of) are a 400 naming the field unless they hold
+their no-op value (0, {}, false, "", or best_of 1 or n): never an output that silently
+differs from what was asked.
 
 Structured output (runtime.structured_output): OpenAI's response_format ({"type":
 "json_object"}, or "json_schema" with {"name", "schema", "strict"}), and vLLM's guided_json,
@@ -124,6 +128,11 @@ class GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # not implemented: refused unless None or the value that changes nothing (no_op_values)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    no_op_values: ClassVar[dict] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 
     @property
     def include_usage(self) -> bool:
@@ -149,6 +158,11 @@ class GenerationRequest(BaseModel):
                            "model", status=404, code="model_not_found")
         if not 1 <= self.num_choices <= MAX_N:
             raise ApiError(f"n must be from 1 to {MAX_N}, got {self.n}", "n")
+        for name, no_op in self.no_op_values.items():
+            value = getattr(self, name)
+            if value is not None and value != no_op and not (name == "best_of" and value == self.num_choices):
+                raise ApiError(f"{name} is not supported by this server; leave it out (or send {json.dumps(no_op)})",
+                               name)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request is seeded seed + i)."""
@@ -184,14 +198,24 @@ class GenerationRequest(BaseModel):
             raise ApiError(f"speculation.num_speculative_tokens must be from 0 to 64, got {tokens}", "speculation")
         return options.method, tokens
 
-    def guided(self) -> GuidedSpec | None:
-        """The constraint asked for by response_format or one guided_* field; None: free text."""
+    def _constraints(self) -> dict:
+        """The fields that ask for structured output, by name."""
         asked = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
                                                          "guided_grammar")
                  if getattr(self, name) is not None}
         fmt = self.response_format
         if fmt is not None and fmt.type != "text":
             asked["response_format"] = fmt
+        return asked
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The field that asks for structured output (errors name it); None: free text."""
+        return next(iter(self._constraints()), None)
+
+    def guided(self) -> GuidedSpec | None:
+        """The constraint asked for by response_format or one guided_* field; None: free text."""
+        asked = self._constraints()
         if len(asked) > 1:
             raise ApiError(f"ask for one kind of structured output, not {' and '.join(asked)}", list(asked)[1])
         if not asked:
@@ -226,6 +250,10 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None  # not implemented, as best_of and suffix
+    suffix: str | None = None
+    best_of: int | None = None
+    no_op_values: ClassVar[dict] = {**GenerationRequest.no_op_values, "echo": False, "suffix": "", "best_of": 1}
 
     @property
     def num_logprobs(self) -> int | None:

@@ -321,6 +321,13 @@ def test_malformed_json(served):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, "seed"),  # beyond a torch.Generator's seeds
+    # OpenAI fields not implemented here: refused, unless they hold their no-op value
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"42": -100}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
 ])
 def test_bad_fields(served, path, body, param):
     error = assert_error(httpx.post(f"{served.base_url}{path}", json=body))
@@ -341,8 +348,17 @@ def test_negative_temperature(served):
     assert "temperature" in info.value.message
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_temperature_is_a_finite_number(served, value):
+    """Python's JSON parser takes NaN and Infinity; NaN sampled 40 empty tokens."""
+    content = f'{{"prompt": {json.dumps(PROMPT)}, "max_tokens": 2, "temperature": {value}}}'.encode()
+    resp = httpx.post(f"{served.base_url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert assert_error(resp, 400, "temperature")["param"] == "temperature"
+
+
 def test_unknown_fields_are_ignored(served):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "frobnicate": {"x": 1}}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "frobnicate": {"x": 1},
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "best_of": 1}  # no-ops
     resp = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
 
