@@ -56,6 +56,7 @@ from runtime.openai_protocol import (ApiError, ChatCompletionRequest, Completion
                                      validation_error)
 from runtime.openai_responses import SSE_DONE, ChatFormat, CompletionFormat, model_list, sse
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output import GrammarError
 from runtime.server_metrics import ServerMetrics
 
 
@@ -124,7 +125,7 @@ class OpenAIServer:
         prompt = self.tokenize(body.to_prompt(), body.prompt_param)
         params = body.sampling_params(len(prompt), self.max_model_len)
         self.check_queue(len(params))
-        choices = await self.add_choices(prompt, params, fmt.request_id, request)
+        choices = await self.add_choices(prompt, params, fmt.request_id, request, body.constraint_param)
         if body.stream:
             return StreamingResponse(self.stream(choices, fmt), media_type="text/event-stream")
         return await self.respond(choices, fmt)
@@ -148,8 +149,9 @@ class OpenAIServer:
                        code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
     async def add_choices(self, prompt: list[int], params: list[SamplingParams], request_id: str,
-                          request: Request) -> list[AsyncIterator[RequestOutput]]:
-        """Queue one engine request per choice (ids request_id-0, -1, ...); all or none."""
+                          request: Request, constraint_param: str | None) -> list[AsyncIterator[RequestOutput]]:
+        """Queue one engine request per choice (ids request_id-0, -1, ...); all or none. A
+        grammar that does not compile is blamed on constraint_param, the field that held it."""
         choices: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, choice_params in enumerate(params):
@@ -161,7 +163,7 @@ class OpenAIServer:
             for i in range(len(choices)):
                 self.engine.abort(f"{request_id}-{i}")
             if isinstance(e, ValueError):
-                raise ApiError(str(e)) from None
+                raise ApiError(str(e), constraint_param if isinstance(e, GrammarError) else None) from None
             raise
         return choices
 

@@ -41,6 +41,10 @@ from runtime.draft_tree import DraftTree
 from runtime.sampling_params import GuidedSpec
 
 
+class GrammarError(ValueError):
+    """A JSON schema, regex, choice list or grammar that does not compile."""
+
+
 def _ebnf_string(text: str) -> str:
     """text as an EBNF string literal (JSON's escapes are the grammar's)."""
     return json.dumps(text, ensure_ascii=False)
@@ -73,7 +77,7 @@ class Grammars:
             return self._compiler
 
     def compile(self, spec: GuidedSpec):
-        """The xgrammar CompiledGrammar of spec; ValueError naming what does not compile."""
+        """The xgrammar CompiledGrammar of spec; GrammarError naming what does not compile."""
         compiler = self.compiler
         try:
             if spec.kind == "json":
@@ -89,7 +93,7 @@ class Grammars:
         except (RuntimeError, ValueError) as e:
             what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
                     "grammar": "grammar"}[spec.kind]
-            raise ValueError(f"the {what} does not compile: {_library_message(e)}") from None
+            raise GrammarError(f"the {what} does not compile: {_library_message(e)}") from None
 
     def constraint(self, spec: GuidedSpec) -> Constraint:
         import xgrammar as xgr

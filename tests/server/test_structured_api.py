@@ -90,9 +90,9 @@ def test_json_object_and_guided_fields_on_both_endpoints(server):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     None, "JSON schema does not compile"),
-    ({"guided_regex": "(abc"}, None, "regex does not compile"),
-    ({"guided_grammar": 'root ::= "a" |'}, None, "grammar does not compile"),
+     "response_format", "JSON schema does not compile"),
+    ({"guided_regex": "(abc"}, "guided_regex", "regex does not compile"),
+    ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar", "grammar does not compile"),
     ({"guided_choice": ["yes"], "guided_regex": "y"}, "guided_choice", "not guided_regex and guided_choice"),
     ({"guided_choice": []}, "guided_choice", "guided_choice: guided choice needs"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
@@ -105,8 +105,7 @@ def test_bad_constraints_are_400s_and_the_server_goes_on(server, body, param, me
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error", error
-    if param is not None:
-        assert error["param"] == param
+    assert error["param"] == param
     ok = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
