@@ -100,7 +100,7 @@ class ModelRunner:
         if self.compile_decode:
             self.compiled_decode = CompiledDecodeStep(self.model, self.kv_cache, self.feature_layers)
             log.info("compiling the decode step (Inductor caches it: minutes the first time on a machine, "
-                     "seconds after)")
+                     "less after)")
             seconds = self.compiled_decode.warm_up(self.kv_cache.num_blocks - 1, self.device)
             log.info("decode step compiled in %.1f s", seconds)
         limits = self.graph_limits
