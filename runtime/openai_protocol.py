@@ -160,7 +160,7 @@ class GenerationRequest(BaseModel):
             raise ApiError(f"n must be from 1 to {MAX_N}, got {self.n}", "n")
         for name, no_op in self.no_op_values.items():
             value = getattr(self, name)
-            if value is not None and value != no_op and not (name == "best_of" and value == self.num_choices):
+            if value is not None and value != no_op:
                 raise ApiError(f"{name} is not supported by this server; leave it out (or send {json.dumps(no_op)})",
                                name)
 
@@ -253,7 +253,12 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = None  # not implemented, as best_of and suffix
     suffix: str | None = None
     best_of: int | None = None
-    no_op_values: ClassVar[dict] = {**GenerationRequest.no_op_values, "echo": False, "suffix": "", "best_of": 1}
+    no_op_values: ClassVar[dict] = {**GenerationRequest.no_op_values, "echo": False, "suffix": ""}
+
+    def check(self, served_model_name: str) -> None:
+        super().check(served_model_name)
+        if self.best_of not in (None, 1, self.num_choices):  # best_of == n samples n and keeps them all
+            raise ApiError("best_of is not supported by this server; leave it out (or send 1, or n)", "best_of")
 
     @property
     def num_logprobs(self) -> int | None:

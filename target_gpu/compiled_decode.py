@@ -83,17 +83,13 @@ def compiled_decode_step(cpp_wrapper: bool):
     keeps 8 graphs per function by default and, with fullgraph, then fails the step: one
     process may compile one per architecture, dtype, feature set and shape specialization
     (a target, its draft, EAGLE-3; the test session dozens), so the limit is raised to 64.
-    Floats are specialized while it traces: with dynamic shapes, Dynamo (torch >= 2.6) makes
+    Floats are specialized, as before torch 2.6: with dynamic shapes, Dynamo >= 2.6 makes
     every float module attribute (each RMSNorm's eps) a symbol, specializes them after the
     trace, and traces the whole decoder again (the default model's step compiled in 53 s
     with the compile caches warm, 18 s without the second trace; the same graph)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    compiled = torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
-
-    def step(*args):
-        with torch._dynamo.config.patch(specialize_float=True):  # about 12 us a call
-            return compiled(*args)
-    return step
+    torch._dynamo.config.specialize_float = True
+    return torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
 
 
 class CompiledDecodeStep:
