@@ -44,6 +44,10 @@ class EngineSettings:
     num_speculative_tokens: int | None = None  # draft nodes verified per step; None: the speculator's default
     speculative_tree_width: int | None = None  # most children per draft node; 1 = chains; None: the speculator's default
     adaptive_speculation: bool = True  # size drafts per step from measured acceptance and costs
+    speculators: str = ""  # more speculators built at start, comma-separated, for requests to ask for
+    # a request may ask for a speculator that loads weights (draft, EAGLE, Medusa) that was not built at start:
+    # True builds it then, holding up the engine (seconds); False refuses the request (the server's choice)
+    load_speculators_on_request: bool = True
     # tensor parallelism (target_gpu.tensor_parallel); torchrun's environment, when present, decides instead
     tensor_parallel_size: int = 1  # target ranks, over all nodes; 1 = the target runs in this process
     nnodes: int = 1
@@ -83,12 +87,19 @@ class EngineSettings:
         if launch is not None and launch.device_type == "cuda" and self.quantization not in ("auto", "none"):
             raise ValueError(f"tensor parallelism on CUDA shards float weights for now: "
                              f"quantization={self.quantization!r} cannot be split (use auto or none)")
-        registry.check_name(self.speculator)
+        for name in self.start_speculators():
+            registry.check_name(name)
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_tree_width is not None and self.speculative_tree_width < 1:
             raise ValueError(f"speculative_tree_width must be >= 1, got {self.speculative_tree_width}")
         registry.check_config(self)
+
+    def start_speculators(self) -> list[str]:
+        """The speculators built at start (besides a draft model's): --speculator and --speculators."""
+        listed = self.speculators.split(",") if isinstance(self.speculators, str) else self.speculators
+        names = [self.speculator, *(name.strip() for name in listed)]
+        return [name for name in dict.fromkeys(names) if name and name != "none"]
 
     def tp_launch(self, environ=None) -> TPLaunch | None:
         """Where the target's ranks run (None: one rank, in this process)."""
@@ -255,13 +266,18 @@ def add_engine_args(parser) -> None:
         default = "" if setting.default is None else f" (default: {setting.default})"
         g.add_argument("--" + setting.name.replace("_", "-"), type=setting.type, choices=setting.choices,
                        help=setting.help + default)
+    g.add_argument("--speculators", metavar="NAME[,NAME...]",
+                   help="more speculators to build at start, for requests to ask for by name (the server refuses "
+                        "a request for one that loads weights and was not built at start: draft, eagle, medusa); "
+                        "a draft model, when given, is always built")
     g.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
                    help="always propose --num-speculative-tokens instead of sizing drafts from measured "
                         "acceptance and step costs")
 
 
 # EngineConfig fields that say how the engine speculates (LLMEngine.update_speculation may change them)
-SPECULATION_ARGS = ("speculator", "num_speculative_tokens", "speculative_tree_width", "adaptive_speculation",
+SPECULATION_ARGS = ("speculator", "speculators", "num_speculative_tokens", "speculative_tree_width",
+                    "adaptive_speculation",
                     *(setting.name for setting in registry.all_settings()))
 # EngineConfig fields set by add_engine_args' flags
 ENGINE_ARGS = ("attention_backend", "enforce_eager", "cpu_weight_prepack", "quantization", "tensor_parallel_size",

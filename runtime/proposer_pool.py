@@ -22,7 +22,7 @@ from runtime.sequence import Sequence
 from runtime.speculation import SpeculationController
 from runtime.verify_layout import EMPTY_TREE, VerifyLayout
 from speculators import ProposalRequest, Proposer, TargetInfo, build_proposer
-from speculators.registry import parts
+from speculators import registry
 
 log = logging.getLogger("runtime.proposer_pool")
 NONE = "none"
@@ -39,12 +39,15 @@ class ProposerPool:
         compiled_plain = getattr(runner, "compiled_decode", None) is not None
         self.controller = SpeculationController(adaptive=config.adaptive_speculation, plain_probe=compiled_plain)
         self.proposed_at = 0.0  # time.perf_counter() when the last propose() returned
+        self.loaded = False  # load() has built the speculators of the start
 
     # ---- building -----------------------------------------------------------------------
     def get(self, name: str) -> Proposer:
-        """The proposer for a speculator name, built on first use; ValueError when it cannot be."""
+        """The proposer for a speculator name, built on first use; ValueError when it cannot be,
+        or when it would load weights after start and the config says not to."""
         proposer = self.proposers.get(name)
         if proposer is None:
+            self._check_may_build(name)
             proposer = build_proposer(name, self.config, self.target, part=self.get)  # parts first
             self.proposers[name] = proposer
             try:
@@ -54,6 +57,16 @@ class ProposerPool:
                 raise
         return proposer
 
+    def _check_may_build(self, name: str) -> None:
+        if not self.loaded or self.config.load_speculators_on_request:
+            return
+        unbuilt = [part for part in registry.parts(name)
+                   if part not in self.proposers and registry.get(part).loads_weights]
+        if unbuilt:
+            built = ", ".join(self.proposers) or "none"
+            raise ValueError(f"speculator {unbuilt[0]!r} loads weights and was not built at start (built: {built}); "
+                             f"start the server with --speculators {','.join(unbuilt)} for requests to use it")
+
     def _sync_feature_layers(self) -> None:
         """Have the target hand out the layer inputs the proposers read (EAGLE-3's), no others."""
         wanted = {p.feature_layers for p in self.proposers.values() if p.feature_layers}
@@ -62,18 +75,19 @@ class ProposerPool:
         self.runner.set_feature_layers(wanted.pop() if wanted else ())
 
     def load(self) -> None:
-        """Build the configured speculator now (a bad setting fails at start), and a draft
-        model when one is configured (so that requests may ask for it)."""
+        """Build the speculators of the start now (--speculator and --speculators: a bad setting
+        fails at start), and a draft model when one is configured (so that requests may ask for it)."""
         config = self.config
-        if config.speculator != NONE:
-            self.get(config.speculator)
+        for name in config.start_speculators():
+            self.get(name)
         if config.draft_model:
             self.get("draft")
         self._sync_feature_layers()  # none wanted: the last pool's, if any, are dropped
-        if config.speculator != NONE or config.draft_model:
-            log.info("speculation: %s, %d draft tokens per step, tree width %d, %s", config.speculator,
+        self.loaded = True
+        if self.proposers:
+            log.info("speculation: %s, %d draft tokens per step, tree width %d, %s; built: %s", config.speculator,
                      config.speculative_tokens(config.speculator), config.tree_width(config.speculator),
-                     "adaptive" if config.adaptive_speculation else "fixed")
+                     "adaptive" if config.adaptive_speculation else "fixed", ", ".join(self.proposers))
 
     def rebuilt(self, config) -> ProposerPool:
         """A pool for another config, loaded, this one closed; on an error, this one loaded
@@ -202,7 +216,7 @@ class ProposerPool:
         verification is done."""
         verifying: dict[str, list] = {}  # part name -> (request id, tree) pairs
         for seq, tree in zip(layout.seqs, layout.trees):
-            for part in (parts(seq.speculator) if len(tree) else ()):
+            for part in (registry.parts(seq.speculator) if len(tree) else ()):
                 verifying.setdefault(part, []).append((seq.request_id, tree))
         events = []
         for part, pairs in verifying.items():

@@ -359,10 +359,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the flags that were given; the rest keep EngineConfig's defaults."""
+    """EngineConfig from the flags that were given; the rest keep EngineConfig's defaults, but for
+    load_speculators_on_request."""
     names = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
              "block_size", "enable_prefix_caching", "kv_cache_memory", "seed") + ENGINE_ARGS
-    return EngineConfig(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    # a speculator that loads weights is built at start only: built for a request, it would hold up the others
+    return EngineConfig(**given, load_speculators_on_request=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -370,4 +370,5 @@ SPECULATOR = Speculator(
                       "draft model falls below this", float, minimum=0.0, below=1.0),
               Setting("draft_overlap", "auto", "keep drafting while the target verifies: auto = on when the draft "
                       "has its own device or cores", choices=("auto", "on", "off"))),
-    requires=lambda config: None if config.draft_model else "a draft model: --draft-model PATH (or draft_model=...)")
+    requires=lambda config: None if config.draft_model else "a draft model: --draft-model PATH (or draft_model=...)",
+    loads_weights=True)

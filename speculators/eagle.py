@@ -287,4 +287,5 @@ SPECULATOR = Speculator(
                       "--speculative-tree-width is the top-k expanded per step", int, minimum=1),
               *DRAFT_PLACEMENT),
     requires=lambda config: None if config.eagle_head or shipped_eagle_head(config.model) else (
-        "a trained head: --eagle-head DIR (or eagle_head=...; python -m scripts.train_eagle trains one)"))
+        "a trained head: --eagle-head DIR (or eagle_head=...; python -m scripts.train_eagle trains one)"),
+    loads_weights=True)

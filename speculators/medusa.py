@@ -447,4 +447,5 @@ SPECULATOR = Speculator(
                       f"{DEFAULT_RANK_SUM})"),
               *DRAFT_PLACEMENT),
     requires=lambda config: None if config.medusa_heads else (
-        "trained heads: --medusa-heads DIR (or medusa_heads=...; python -m scripts.train_medusa trains them)"))
+        "trained heads: --medusa-heads DIR (or medusa_heads=...; python -m scripts.train_medusa trains them)"),
+    loads_weights=True)

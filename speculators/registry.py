@@ -53,6 +53,7 @@ class Speculator:
     settings: tuple[Setting, ...] = ()  # its block (settings shared with others are the same objects)
     requires: Callable | None = None  # (config) -> what is missing to run it, or None
     check: Callable | None = None  # (config) -> None or ValueError: settings that must agree
+    loads_weights: bool = False  # building it loads a model or heads (seconds): a server builds it only at start
 
 
 # module of each built-in speculator: it defines SPECULATOR
@@ -136,15 +137,15 @@ def get(name: str) -> Speculator:
 
 
 def check_config(config) -> None:
-    """ValueError when a setting is out of range, settings disagree, or the configured
-    speculator lacks what it needs (a model, a trained head)."""
+    """ValueError when a setting is out of range, settings disagree, or a speculator built
+    at start (config.start_speculators()) lacks what it needs (a model, a trained head)."""
     for setting in all_settings():
         setting.check(getattr(config, setting.name))
     for spec in speculators().values():
         if spec.check is not None:
             spec.check(config)
-    if config.speculator != NONE:
-        for part in parts(config.speculator):
+    for name in config.start_speculators():
+        for part in parts(name):
             requires = get(part).requires
             missing = requires and requires(config)
             if missing:

@@ -19,6 +19,7 @@ from runtime.circuit_breaker import CircuitBreaker  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.serve import engine_config, parse_args  # noqa: E402
 from speculators import Proposer  # noqa: E402
 from tests.server.test_server import eventually, metric, run_directly, serving_engine, sse_events, wait_idle  # noqa: E402
 from tests.helpers import toy_speculator
@@ -162,6 +163,41 @@ def test_speculation_field_per_request(server):
                          timeout=60)
     assert missing.status_code == 400 and "--draft-model" in missing.json()["error"]["message"]
     wait_idle(engine)
+
+
+def test_the_server_builds_weighty_speculators_at_start_only():
+    """A request for EAGLE (the default model ships a head), not built at start, is a 400 that
+    says how to build it, and nothing is loaded; model-free speculators are built for it. With
+    --speculators eagle the head is built at start and requests may use it, also combined."""
+    flags = ["--enforce-eager", "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB",
+             "--quantization", "none", "--speculator", "lookahead", "--no-adaptive-speculation"]
+    engine = LLMEngine(engine_config(parse_args(flags)))
+    greedy = {"prompt": COPY, "max_tokens": 12, "temperature": 0}
+    with serving_engine(engine) as base_url:
+        for method in ("eagle", "eagle+lookahead"):
+            refused = httpx.post(f"{base_url}/v1/completions", json={**greedy, "speculation": {"method": method}},
+                                 timeout=60)
+            assert refused.status_code == 400, refused.text
+            assert "--speculators eagle" in refused.json()["error"]["message"]
+        plain = httpx.post(f"{base_url}/v1/completions", json={**greedy, "speculation": "off"}, timeout=60).json()
+        ngram = httpx.post(f"{base_url}/v1/completions", json={**greedy, "speculation": {"method": "ngram"}},
+                           timeout=60).json()
+        assert ngram["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert sorted(engine.pool.proposers) == ["lookahead", "ngram"]
+    engine = LLMEngine(engine_config(parse_args(flags + ["--speculators", "eagle"])))
+    assert sorted(engine.pool.proposers) == ["eagle", "lookahead"]
+    with serving_engine(engine) as base_url:
+        for method in ("eagle", "eagle+lookahead"):
+            out = httpx.post(f"{base_url}/v1/completions", json={**greedy, "speculation": {"method": method}},
+                             timeout=60).json()
+            assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+            assert out["usage"]["metrics"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("speculators, words", [("psychic", "unknown speculator"), ("medusa", "--medusa-heads")])
+def test_bad_start_speculators_fail_at_start(speculators, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(speculators=speculators)
 
 
 # ---- auth and back-pressure ------------------------------------------------------------------------
