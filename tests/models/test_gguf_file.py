@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from runtime.models.gguf_file import GGUFFile, GGUFFormatError  # noqa: E402
 from runtime.models.loader import resolve_model  # noqa: E402
 from runtime.models.quantized_weight import gguf_dequantize  # noqa: E402
+from tests.models.test_quantization import random_q4_k_blocks  # noqa: E402
 
 
 def assert_same_as_gguf_reader(path) -> GGUFFile:
@@ -110,10 +111,18 @@ def random_q6_k_blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
     return np.concatenate([quants, d], axis=-1).reshape(n, nb * 210)
 
 
-def test_q6_k_dequantizes_bit_exactly_as_gguf_does():
-    raw = random_q6_k_blocks(7, 768, seed=1)
-    reference = dequantize(raw, GGMLQuantizationType.Q6_K)
-    assert np.isfinite(reference).all() and reference.shape == (7, 768)
-    assert torch.equal(gguf_dequantize(raw, "Q6_K"), torch.from_numpy(reference))
-    q8 = quantize(np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
-    assert torch.equal(gguf_dequantize(q8, "Q8_0"), torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)))
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q5_1"])
+def test_dequantization_is_bit_for_bit_gguf_s(type_name):
+    """Q8_0, Q5_0, Q6_K and the int4 types are ours; the others pass through to gguf."""
+    qtype = GGMLQuantizationType[type_name]
+    if type_name == "Q6_K":
+        raw = random_q6_k_blocks(7, 768, seed=1)
+    elif type_name == "Q4_K":
+        raw = random_q4_k_blocks(7, 512)
+    else:
+        raw = quantize(np.random.default_rng(2).standard_normal((7, 96)).astype(np.float32) * 0.05, qtype)
+    reference = dequantize(raw, qtype)
+    assert np.isfinite(reference).all() and reference.shape[0] == 7 and np.abs(reference).max() > 0
+    assert torch.equal(gguf_dequantize(raw, type_name), torch.from_numpy(reference))
+    batch = raw.reshape(7, 1, -1)  # leading dimensions kept
+    assert gguf_dequantize(batch, type_name).shape == (7, 1, reference.shape[1])
