@@ -9,7 +9,8 @@ also max_completion_tokens), temperature, top_p, seed, stop, logprobs (completio
 number of most likely tokens to list; chat: a bool, with top_logprobs), user, and the
 extensions top_k, ignore_eos, stop_token_ids, include_stop_str_in_output and
 `speculation` (this request's proposer: {"method": "lookahead", "num_speculative_tokens":
-4}, or "off"). Unknown fields are ignored, as vLLM does. OpenAI fields that change the
+4}, or "off"). Values must have the JSON type OpenAI's API asks for (16, not "16"; 1, not
+true), as OpenAI checks them. Unknown fields are ignored, as vLLM does. OpenAI fields that change the
 output and are not implemented here (presence_penalty, frequency_penalty, logit_bias;
 completions also echo, suffix and best_of) are a 400 naming the field unless they hold
 their no-op value (0, {}, false, "", or best_of 1 or n): never an output that silently
@@ -34,7 +35,7 @@ from __future__ import annotations
 import json
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
 from runtime.tool_calls import ToolChoice
@@ -78,7 +79,7 @@ def _loc(error: dict) -> str:
 # ---- request bodies -----------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SpeculationOptions(BaseModel):
@@ -87,14 +88,14 @@ class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, not silently ignored
 
     method: str
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: StrictInt | None = None
 
 
 class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -109,19 +110,19 @@ class GenerationRequest(BaseModel):
     default_max_tokens: ClassVar[int | None]  # None: all the context the prompt leaves
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: StrictInt | None = 1
     user: str | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
     speculation: SpeculationOptions | Literal["off"] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -129,8 +130,8 @@ class GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # not implemented: refused unless None or the value that changes nothing (no_op_values)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, float] | None = None
     no_op_values: ClassVar[dict] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 
@@ -249,10 +250,10 @@ class CompletionRequest(GenerationRequest):
     default_max_tokens: ClassVar[int | None] = 16
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = None  # not implemented, as best_of and suffix
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None  # not implemented, as best_of and suffix
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     no_op_values: ClassVar[dict] = {**GenerationRequest.no_op_values, "echo": False, "suffix": ""}
 
     def check(self, served_model_name: str) -> None:
@@ -340,7 +341,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -362,12 +363,12 @@ class ChatCompletionRequest(GenerationRequest):
     default_max_tokens: ClassVar[int | None] = None
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def tool_use(self) -> ToolChoice | None:
         """What the tools and tool_choice ask for; None: answer in text."""

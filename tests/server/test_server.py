@@ -321,6 +321,13 @@ def test_malformed_json(served):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, "seed"),  # beyond a torch.Generator's seeds
+    # the JSON type OpenAI's API asks for, not one that converts to it
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "16"}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2.0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": ["2"]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
     # OpenAI fields not implemented here: refused, unless they hold their no-op value
     ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty"),
