@@ -65,7 +65,7 @@ class ProposerPool:
         if unbuilt:
             built = ", ".join(self.proposers) or "none"
             raise ValueError(f"speculator {unbuilt[0]!r} loads weights and was not built at start (built: {built}); "
-                             f"start the server with --speculators {','.join(unbuilt)} for requests to use it")
+                             f"start the server with --speculators {','.join(unbuilt)} (speculators=...) for requests to use it")
 
     def _sync_feature_layers(self) -> None:
         """Have the target hand out the layer inputs the proposers read (EAGLE-3's), no others."""
