@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, Prompt
+from runtime.logprobs import TokenLogprobs
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import RequestMetrics
 
@@ -21,6 +22,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics  # .ttft_s .tpot_s .e2e_s .num_tokens
+    # per output token (SamplingParams.logprobs set): .token_id .logprob .top [(token id, logprob), ...]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -96,11 +99,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
-        """One result per prompt, in order. All prompts are validated before any runs."""
+        """One result per prompt, in order. All prompts are validated before any runs: on a
+        ValueError, nothing is left queued."""
         one_chat = isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) \
             and "messages" not in prompts[0]  # chat messages, not a list of prompts
         if isinstance(prompts, (str, dict)) or one_chat:
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt (a string, token ids, chat messages) or a list of prompts, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -108,7 +115,14 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
         token_ids = [engine.prompt_token_ids(p) for p in prompts]  # fail before scheduling anything
-        ids = [engine.add_request(t, sp) for t, sp in zip(token_ids, sampling_params)]
+        ids = []
+        try:
+            for t, sp in zip(token_ids, sampling_params):
+                ids.append(engine.add_request(t, sp))
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            raise
         finished = {}
         start = time.perf_counter()
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
@@ -125,6 +139,7 @@ class LLM:
                 raise
         elapsed = time.perf_counter() - start
         results = [GenerationResult(p, finished[r].prompt_token_ids, finished[r].text, finished[r].token_ids,
-                                    finished[r].finish_reason, finished[r].metrics) for p, r in zip(prompts, ids)]
+                                    finished[r].finish_reason, finished[r].metrics, finished[r].logprobs)
+                   for p, r in zip(prompts, ids)]
         self.last_summary = RunSummary.of(results, elapsed)
         return results

@@ -64,33 +64,37 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)) or not isinstance(self.stop_token_ids or [], (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings and stop_token_ids a list of integers, "
+                             f"got {self.stop!r:.80} and {self.stop_token_ids!r:.80}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64):
+        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1 (a torch.Generator seed), "
                              f"got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"ignore_eos and include_stop_str_in_output must be true or false, got "
+                             f"{self.ignore_eos!r} and {self.include_stop_str_in_output!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.speculator is not None and (not isinstance(self.speculator, str) or not self.speculator):
             raise ValueError(f"speculator must be a speculator's name, got {self.speculator!r}")
-        if self.num_speculative_tokens is not None and (
-                not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
-                or self.num_speculative_tokens < 0):
+        if self.num_speculative_tokens is not None and (not _is_int(self.num_speculative_tokens)
+                                                        or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             raise ValueError(f"guided must be a runtime.sampling_params.GuidedSpec, got {self.guided!r:.80}")
@@ -98,6 +102,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    """An int, not a bool (True is an int to Python, not to JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_finite_number(value) -> bool:

@@ -96,6 +96,24 @@ def test_llm_generate_takes_one_prompt_or_a_list_of_any_form(llm):
     assert listed[1].token_ids == llm.generate(MESSAGES, params, use_tqdm=False)[0].token_ids
 
 
+def test_llm_generate_leaves_nothing_queued_when_a_request_is_refused(llm):
+    for prompts, params in [(["A", "B"], [SamplingParams(max_tokens=2), SamplingParams(speculator="psychic")]),
+                            (None, None), (5, None)]:
+        with pytest.raises(ValueError):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert not llm.engine.has_unfinished and not llm.engine.requests
+
+
+def test_llm_generate_returns_logprobs_when_asked(llm):
+    """Per output token, its own logprob and the 3 most likely, the greedy token first among them."""
+    plain, scored = llm.generate(["The quick brown fox"] * 2, [SamplingParams(max_tokens=5, temperature=0),
+                                 SamplingParams(max_tokens=5, temperature=0, logprobs=3)], use_tqdm=False)
+    assert plain.logprobs is None and scored.token_ids == plain.token_ids
+    assert [entry.token_id for entry in scored.logprobs] == scored.token_ids
+    for entry in scored.logprobs:
+        assert len(entry.top) == 3 and entry.top[0] == (entry.token_id, entry.logprob) and entry.logprob <= 0
+
+
 def test_missing_input_exits_2(tmp_path, capsys, llm):
     code = main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "out.jsonl")], llm=llm)
     err = capsys.readouterr().err

@@ -180,7 +180,11 @@ def test_prompt_longer_than_the_context_is_refused_before_scheduling(engine_f32)
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-0.2),
                                     dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5),
                                     dict(max_tokens=True), dict(top_k=-2), dict(top_k=1.5), dict(seed="1"),
-                                    dict(stop=[""]), dict(stop_token_ids=[-1])])
+                                    dict(stop=[""]), dict(stop_token_ids=[-1]),
+                                    # what the offline CLI's JSON lines can hold: true is not an integer
+                                    dict(seed=True), dict(top_k=True), dict(logprobs=True), dict(stop=5),
+                                    dict(stop_token_ids=[True]), dict(stop_token_ids=3), dict(ignore_eos="yes"),
+                                    dict(num_speculative_tokens=False)])
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
