@@ -7,14 +7,19 @@ Each input line is a JSON object with either
     "prompt":   a string (or a list of token ids), or
     "messages": a list of chat messages ({"role": ..., "content": ...}), rendered with the
                 model's chat template,
-and optionally "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-"speculator" and "num_speculative_tokens", which override the command-line flags for
-that line, and one of "guided_json" (a JSON schema), "guided_regex", "guided_choice" (a
-list of strings) and "guided_grammar" (EBNF), which hold the output to it
-(runtime.structured_output). Every other key (an "id", say) is copied
-to the output line, which adds
-    "text", "token_ids", "finish_reason" ("stop" | "length"), and
-    "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics).
+and optionally "tools" beside "messages" (rendered by the chat template), any of
+SamplingParams' fields ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+"stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "speculator",
+"num_speculative_tokens"), which override the command-line flags for that line, and one of
+"guided_json" (a JSON schema), "guided_regex", "guided_choice" (a list of strings) and
+"guided_grammar" (EBNF), which hold the output to it (runtime.structured_output). OpenAI
+request fields this tool does not implement ("n", "response_format", "presence_penalty",
+...) make the line skipped, never silently ignored. Every other key (an "id", say) is
+copied to the output line, which adds
+    "text", "token_ids", "finish_reason" ("stop" | "length"),
+    "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics),
+    and, when the line asks for "logprobs": k, "logprobs": per output token
+    {"token_id", "logprob", "top": [[token id, logprob], ...k most likely]}.
 
 Outputs are written in input order. The file is generated in batches of --batch-size
 prompts, and each batch's results are flushed before the next batch is read, so a run
@@ -27,7 +32,8 @@ model's context) is skipped: it gets no output line, it is reported on stderr as
 `INPUT:LINE: skipped: REASON`, and the run goes on with the rest. Blank lines are ignored.
 
 Exit status: 0 when every line was generated; 1 when some lines were skipped; 2 when
-nothing could run (missing input file or model, bad engine settings); 130 when
+nothing could run (missing input file or model, an output that cannot be written, bad
+engine settings) or writing failed part way (the lines written so far are kept); 130 when
 interrupted (Ctrl-C) after writing the batches already finished.
 """
 from __future__ import annotations
@@ -48,22 +54,30 @@ if TYPE_CHECKING:
     from runtime.llm import LLM
 
 # Keys an input line may use to set its own sampling; they override the flags.
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculator",
-                 "num_speculative_tokens")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "include_stop_str_in_output", "logprobs", "speculator", "num_speculative_tokens")
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # one, at most
 PROMPT_KEYS = ("prompt", "messages")
 OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
+# OpenAI request fields not implemented here: a line with one is skipped rather than run without it
+UNSUPPORTED_KEYS = ("n", "best_of", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
+                    "response_format", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "top_logprobs",
+                    "stream", "stream_options")
 
 EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
-              optionally with max_tokens, temperature, top_p, top_k, seed, stop,
-              speculator, num_speculative_tokens (they override the flags), and one of
-              guided_json, guided_regex, guided_choice, guided_grammar; other keys
-              (e.g. "id") are copied to the output.
+              optionally with tools (beside messages), SamplingParams' fields
+              (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+              ignore_eos, include_stop_str_in_output, logprobs, speculator,
+              num_speculative_tokens: they override the flags), and one of guided_json,
+              guided_regex, guided_choice, guided_grammar; other keys (e.g. "id") are
+              copied to the output, but for OpenAI fields not implemented here (n,
+              response_format, ...), which skip the line.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
-              (ttft_s, tpot_s, e2e_s, num_tokens, ...), in input order.
+              (ttft_s, tpot_s, e2e_s, num_tokens, ...), and logprobs when asked for,
+              in input order.
 bad lines:    invalid JSON, neither "prompt" nor "messages", invalid sampling values,
               output keys in the input, prompts too long for the context: each is
               reported on stderr as INPUT:LINE: skipped: REASON, gets no output line,
@@ -126,9 +140,12 @@ def main(argv: list[str] | None = None, *, llm: LLM | None = None) -> int:
         return _fail(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     input_path, output_path = Path(args.input), Path(args.output)
     if not input_path.is_file():
-        return _fail(f"input file {str(input_path)!r} not found")
+        return _fail(f"input file {str(input_path)!r} " + ("is not a file" if input_path.exists() else "not found"))
     if output_path.exists() and output_path.resolve() == input_path.resolve():
         return _fail("--output is the input file; it would be overwritten")
+    unwritable = _cannot_write(output_path)
+    if unwritable:  # before the model loads
+        return _fail(f"cannot write {str(output_path)!r}: {unwritable}")
     try:
         defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k)
@@ -147,26 +164,28 @@ def main(argv: list[str] | None = None, *, llm: LLM | None = None) -> int:
     num_skipped = 0
     elapsed = 0.0
     finished: list = []  # GenerationResults written so far, for the summary
-    with out:
+    try:
         try:
             for jobs, skipped in _batches(input_path, llm, defaults, args.batch_size):
                 num_skipped += skipped
                 if not jobs:
                     continue
                 results = llm.generate([j.prompt_token_ids for j in jobs], [j.params for j in jobs])
-                for job, r in zip(jobs, results):
-                    record = {**job.carried, "text": r.text, "token_ids": r.token_ids,
-                              "finish_reason": r.finish_reason, "metrics": r.metrics.as_dict()}
-                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
+                _write(out, [json.dumps(output_record(job, r), ensure_ascii=False) + "\n"
+                             for job, r in zip(jobs, results)])
                 finished += results
                 elapsed += llm.last_summary.elapsed_s
-        except KeyboardInterrupt:
-            print(f"interrupted: {len(finished)} results were written to {output_path}", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        except Exception:
-            print(f"failed: {len(finished)} results were written to {output_path}", file=sys.stderr)
-            raise
+        finally:
+            _write(out, None)  # closes it
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(finished)} results were written to {output_path}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OutputError as e:  # the output's disk is full, or went away
+        return _fail(f"writing {str(output_path)!r} failed ({e}); the {len(finished)} results of the batches "
+                     f"before were written")
+    except Exception:
+        print(f"failed: {len(finished)} results were written to {output_path}", file=sys.stderr)
+        raise
 
     from runtime.llm import RunSummary
     print(f"summary: {RunSummary.of(finished, elapsed)}", file=sys.stderr)
@@ -184,6 +203,45 @@ def _load(args) -> LLM:
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, **speculation)
+
+
+def output_record(job: Job, result) -> dict:
+    """An output line: the input's carried keys, then the result (runtime.llm.GenerationResult)."""
+    record = {**job.carried, "text": result.text, "token_ids": result.token_ids,
+              "finish_reason": result.finish_reason, "metrics": result.metrics.as_dict()}
+    if result.logprobs is not None:
+        record["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(pair) for pair in t.top]}
+                              for t in result.logprobs]
+    return record
+
+
+class OutputError(Exception):
+    """Writing the output file failed (its OSError's reason)."""
+
+
+def _write(out, lines: list[str] | None) -> None:
+    """Write lines to the output and flush them (None: close it); OutputError on failure."""
+    try:
+        if lines is None:
+            out.close()
+        else:
+            out.writelines(lines)
+            out.flush()
+    except OSError as e:
+        raise OutputError(e.strerror or str(e)) from None
+
+
+def _cannot_write(path: Path) -> str | None:
+    """Why the output file cannot be written (None: it can)."""
+    import os
+    if path.is_dir():
+        return "it is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"{str(parent)!r} is not a directory"
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        return "permission denied"
+    return None
 
 
 def _fail(message: str) -> int:
@@ -214,7 +272,7 @@ def _batches(path: Path, llm: LLM, defaults: SamplingParams, size: int) -> Itera
 def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     """One input line -> a validated, tokenized Job; LineError says why it cannot run."""
     try:
-        record = json.loads(raw.decode("utf-8"))
+        record = json.loads(raw.decode("utf-8").rstrip("\r\n"))  # the error's column on the line, not past it
     except UnicodeDecodeError as e:
         raise LineError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -232,6 +290,13 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     reserved = [k for k in OUTPUT_KEYS if k in record]
     if reserved:
         raise LineError(f"key {reserved[0]!r} is reserved for the output")
+    unsupported = [k for k in UNSUPPORTED_KEYS if k in record]
+    if unsupported:
+        raise LineError(f"key {unsupported[0]!r} is an OpenAI field that runtime.generate does not implement")
+    if "tools" in record:
+        if "messages" not in record:
+            raise LineError('"tools" go with "messages"')
+        prompt = {"messages": prompt, "tools": record["tools"]}
 
     overrides = {k: record[k] for k in SAMPLING_KEYS if k in record}
     guided = [k for k in GUIDED_KEYS if k in record]
@@ -245,7 +310,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
         token_ids = llm.engine.prompt_token_ids(prompt)
     except (TypeError, ValueError) as e:
         raise LineError(str(e)) from None
-    carried = {k: v for k, v in record.items() if k not in (*PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS)}
+    carried = {k: v for k, v in record.items() if k not in (*PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS, "tools")}
     return Job(token_ids, params, carried)
 
 

@@ -153,3 +153,40 @@ def test_lines_may_hold_their_output_to_a_constraint(llm, tmp_path):
     assert second["finish_reason"] == "stop" and set(json.loads(second["text"])) == {"capital"}
     skipped = [line.split(": skipped: ")[1] for line in stderr.getvalue().splitlines() if ": skipped: " in line]
     assert "regex does not compile" in skipped[0] and "one constraint a line" in skipped[1], skipped
+
+
+def test_lines_take_sampling_params_fields_and_tools_and_refuse_unimplemented_openai_fields(llm, tmp_path):
+    """logprobs, ignore_eos and tools beside messages act as LLM.generate's; n and
+    response_format are refused by line, not silently ignored."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    src, dst = tmp_path / "lines.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in [
+        {"id": 1, "prompt": "The quick brown fox", "logprobs": 2, "ignore_eos": True},
+        {"id": 2, "messages": MESSAGES, "tools": tools},
+        {"id": 3, "prompt": "Hi", "n": 2},
+        {"id": 4, "prompt": "Hi", "response_format": {"type": "json_object"}},
+        {"id": 5, "prompt": "Hi", "tools": tools}]) + "\n")
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        code = main(["--input", str(src), "--output", str(dst), "--max-tokens", "6", "--temperature", "0",
+                     *ENGINE_ARGS], llm=llm)
+    first, second = [json.loads(line) for line in dst.read_text().splitlines()]
+    expected = llm.generate(["The quick brown fox", {"messages": MESSAGES, "tools": tools}],
+                            [SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+                             SamplingParams(max_tokens=6, temperature=0)], use_tqdm=False)
+    assert code == 1 and [first["token_ids"], second["token_ids"]] == [r.token_ids for r in expected]
+    assert [entry["token_id"] for entry in first["logprobs"]] == first["token_ids"] and len(first["token_ids"]) == 6
+    assert first["logprobs"][0]["logprob"] == pytest.approx(expected[0].logprobs[0].logprob)
+    assert "logprobs" not in second and "tools" not in second
+    skipped = [line.split(": skipped: ")[1] for line in stderr.getvalue().splitlines() if ": skipped: " in line]
+    assert "'n'" in skipped[0] and "'response_format'" in skipped[1] and "messages" in skipped[2], skipped
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(llm, tmp_path, capsys):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    for output, words in [(src / "out.jsonl", "is not a directory"), (tmp_path, "is a directory"),
+                          (Path("/dev/full"), "No space left")]:
+        code = main(["--input", str(src), "--output", str(output), "--max-tokens", "2", *ENGINE_ARGS], llm=llm)
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "Traceback" not in err, err
