@@ -15,22 +15,31 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
     """The prompt's token ids (chat messages through the tokenizer's chat template);
     ValueError when it is none of the four forms."""
     if isinstance(prompt, str):
-        return tokenizer(prompt).input_ids
+        return tokenizer(_unicode(prompt)).input_ids
     tools = None
-    if isinstance(prompt, dict) and isinstance(prompt.get("messages"), list) and isinstance(prompt.get("tools"), list):
-        prompt, tools = prompt["messages"], prompt["tools"]
+    if isinstance(prompt, dict) and set(prompt) <= {"messages", "tools"} and isinstance(prompt.get("tools", []), list):
+        prompt, tools = prompt.get("messages"), prompt.get("tools")
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         for m in prompt:
             if not isinstance(m.get("role"), str) or not (isinstance(m.get("content"), str) or m.get("tool_calls")):
                 raise ValueError("each chat message needs a string 'role' and a string 'content' (or, from the "
                                  "assistant, 'tool_calls')")
-        return tokenizer(chat_text(tokenizer, prompt, tools), add_special_tokens=False).input_ids
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return tokenizer(_unicode(chat_text(tokenizer, prompt, tools)), add_special_tokens=False).input_ids
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 or t >= vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return list(prompt)
-    raise ValueError("a prompt is a non-empty string, a non-empty list of chat messages (alone, or with tools: "
-                     "{'messages': [...], 'tools': [...]}), or a list of token ids")
+    raise ValueError("a prompt is a non-empty string, a non-empty list of chat messages (or {'messages': [...], "
+                     "'tools': [...]}, tools optional), or a list of token ids")
+
+
+def _unicode(text: str) -> str:
+    """text, or ValueError when it cannot be encoded (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
 
 
 def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:

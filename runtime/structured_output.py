@@ -82,6 +82,7 @@ class Grammars:
         try:
             if spec.kind == "json":
                 schema = spec.value if isinstance(spec.value, str) else json.dumps(spec.value)
+                json.loads(schema)  # text that is no JSON at all: said by json, not by xgrammar's internals
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if spec.kind == "json_object":
                 return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)

@@ -15,6 +15,7 @@ import pytest
 
 from runtime import LLM, SamplingParams
 from runtime.generate import main
+from runtime.sampling_params import GuidedSpec
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
@@ -94,6 +95,17 @@ def test_llm_generate_takes_one_prompt_or_a_list_of_any_form(llm):
     listed = llm.generate([tools, MESSAGES, "Hi"], params, use_tqdm=False)
     assert len(listed) == 3 and listed[0].token_ids == alone.token_ids
     assert listed[1].token_ids == llm.generate(MESSAGES, params, use_tqdm=False)[0].token_ids
+
+
+def test_messages_alone_in_a_dict_are_a_chat_and_bad_prompts_are_named(llm):
+    params = SamplingParams(max_tokens=3, temperature=0)
+    wrapped, = llm.generate({"messages": MESSAGES}, params, use_tqdm=False)
+    assert wrapped.token_ids == llm.generate(MESSAGES, params, use_tqdm=False)[0].token_ids
+    for prompt, sp, words in [("\ud800", params, "not valid Unicode"),
+                              ({"messages": MESSAGES, "extra": 1}, params, "a prompt is"),
+                              ("x", SamplingParams(guided=GuidedSpec("json", "{not json")), "JSON schema")]:
+        with pytest.raises(ValueError, match=words):
+            llm.generate(prompt, sp, use_tqdm=False)
 
 
 def test_llm_generate_leaves_nothing_queued_when_a_request_is_refused(llm):
