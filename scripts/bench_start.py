@@ -122,7 +122,7 @@ def main(argv=None) -> None:
             seconds = median([r["wall_s"] for r in runs] if ours else runs)
             parts = [median([r[k] for r in runs]) for k in ("import_s", "load_s", "engine_s", "token_s")] if ours \
                 else [None] * 4
-            rows.append((path.name, name, fmt(seconds), ratio(seconds, llama), *map(fmt, parts)))
+            rows.append((path.name, name, fmt(seconds, ".2f"), ratio(seconds, llama), *map(fmt, parts)))
     report.table(("model", "system", "seconds to first token", "/ llama.cpp", "ours: import", "load model",
                   "build engine", "first token"), rows, "llrrrrrr")
     report.line()
