@@ -12,9 +12,9 @@ SamplingParams' fields ("max_tokens", "temperature", "top_p", "top_k", "seed", "
 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "speculator",
 "num_speculative_tokens"), which override the command-line flags for that line, and one of
 "guided_json" (a JSON schema), "guided_regex", "guided_choice" (a list of strings) and
-"guided_grammar" (EBNF), which hold the output to it (runtime.structured_output). OpenAI
-request fields this tool does not implement ("n", "response_format", "presence_penalty",
-...) make the line skipped, never silently ignored. Every other key (an "id", say) is
+"guided_grammar" (EBNF), which hold the output to it (runtime.structured_output). The
+server's other request fields ("n", "response_format", "presence_penalty", "model", ...)
+make the line skipped, never silently ignored. Every other key (an "id", say) is
 copied to the output line, which adds
     "text", "token_ids", "finish_reason" ("stop" | "length"),
     "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics),
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from runtime.config import ENGINE_ARGS, add_engine_args
+from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
 from runtime.sampling_params import GuidedSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -59,10 +61,10 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", 
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # one, at most
 PROMPT_KEYS = ("prompt", "messages")
 OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
-# OpenAI request fields not implemented here: a line with one is skipped rather than run without it
-UNSUPPORTED_KEYS = ("n", "best_of", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
-                    "response_format", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "top_logprobs",
-                    "stream", "stream_options")
+# the server's request fields (runtime.openai_protocol) that a line does not take: a line with one is
+# skipped rather than run without it ("user", which changes no output, is carried like any other key)
+UNSUPPORTED_KEYS = tuple(sorted({*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
+                                - {*SAMPLING_KEYS, *GUIDED_KEYS, *PROMPT_KEYS, "tools", "user"}))
 
 EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -73,7 +75,7 @@ input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..
               ignore_eos, include_stop_str_in_output, logprobs, speculator,
               num_speculative_tokens: they override the flags), and one of guided_json,
               guided_regex, guided_choice, guided_grammar; other keys (e.g. "id") are
-              copied to the output, but for OpenAI fields not implemented here (n,
+              copied to the output, but for the server's other request fields (n,
               response_format, ...), which skip the line.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
               (ttft_s, tpot_s, e2e_s, num_tokens, ...), and logprobs when asked for,
@@ -233,7 +235,6 @@ def _write(out, lines: list[str] | None) -> None:
 
 def _cannot_write(path: Path) -> str | None:
     """Why the output file cannot be written (None: it can)."""
-    import os
     if path.is_dir():
         return "it is a directory"
     parent = path.parent
@@ -292,7 +293,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
         raise LineError(f"key {reserved[0]!r} is reserved for the output")
     unsupported = [k for k in UNSUPPORTED_KEYS if k in record]
     if unsupported:
-        raise LineError(f"key {unsupported[0]!r} is an OpenAI field that runtime.generate does not implement")
+        raise LineError(f"key {unsupported[0]!r} is a server request field that runtime.generate does not take")
     if "tools" in record:
         if "messages" not in record:
             raise LineError('"tools" go with "messages"')
