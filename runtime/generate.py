@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -66,6 +67,8 @@ OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
 UNSUPPORTED_KEYS = tuple(sorted({*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
                                 - {*SAMPLING_KEYS, *GUIDED_KEYS, *PROMPT_KEYS, "tools", "user"}))
 
+TAKEN_KEYS = (*SAMPLING_KEYS, *GUIDED_KEYS, *PROMPT_KEYS, *OUTPUT_KEYS, *UNSUPPORTED_KEYS, "tools", "user")
+
 EXIT_OK, EXIT_SKIPPED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
@@ -76,7 +79,8 @@ input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..
               num_speculative_tokens: they override the flags), and one of guided_json,
               guided_regex, guided_choice, guided_grammar; other keys (e.g. "id") are
               copied to the output, but for the server's other request fields (n,
-              response_format, ...), which skip the line.
+              response_format, ...), which skip the line, and for near misses of the
+              keys above ("max_token"), which skip it as typos.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
               (ttft_s, tpot_s, e2e_s, num_tokens, ...), and logprobs when asked for,
               in input order.
@@ -280,6 +284,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
         raise LineError(f"invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
         raise LineError(f"expected a JSON object, got {type(record).__name__}")
+    _check_spelling(record)
     present = [k for k in PROMPT_KEYS if k in record]
     if len(present) != 1:
         raise LineError('needs exactly one of "prompt" and "messages"')
@@ -313,6 +318,17 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
         raise LineError(str(e)) from None
     carried = {k: v for k, v in record.items() if k not in (*PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS, "tools")}
     return Job(token_ids, params, carried)
+
+
+def _check_spelling(record: dict) -> None:
+    """A key that is not one a line takes but nearly is (\"max_token\", \"stops\") is a typo,
+    which copying it to the output would hide: the line runs without the setting."""
+    for key in record:
+        if key in TAKEN_KEYS:
+            continue
+        close = difflib.get_close_matches(key.lower().replace("-", "_"), TAKEN_KEYS, n=1, cutoff=0.85)
+        if close:
+            raise LineError(f"unknown key {key!r}; did you mean {close[0]!r}? (other keys are copied to the output)")
 
 
 def _is_token_ids(value) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.generate import main
+from runtime.generate import LineError, main, parse_line
 from runtime.sampling_params import GuidedSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +74,17 @@ def test_bad_lines_are_reported_by_line_number_and_exit_1(run):
     assert "temperature" in skipped[1]
     assert "prompt" in skipped[2] and "messages" in skipped[2]
     assert "summary: requests: 3" in stderr
+
+
+def test_near_misses_of_the_keys_a_line_takes_are_typos(llm):
+    """Copied to the output, a misspelt key would leave its line running without the setting."""
+    defaults = SamplingParams(max_tokens=8)
+    for line, meant in [({"prompt": "Hi", "max_token": 4}, "max_tokens"), ({"prompts": "Hi"}, "prompt"),
+                        ({"prompt": "Hi", "Top-P": 0.5}, "top_p"), ({"prompt": "Hi", "stops": ["."]}, "stop")]:
+        with pytest.raises(LineError, match=f"did you mean '{meant}'"):
+            parse_line(json.dumps(line).encode(), llm, defaults)
+    job = parse_line(json.dumps({"prompt": "Hi", "custom_id": 1, "messages_id": 2, "temp": 3}).encode(), llm, defaults)
+    assert job.carried == {"custom_id": 1, "messages_id": 2, "temp": 3} and job.params.max_tokens == 8
 
 
 def test_greedy_text_matches_llm_generate(run, llm):
