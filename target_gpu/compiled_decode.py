@@ -24,6 +24,7 @@ context: the runner sends long-context trees the eager way (ModelRunner.execute)
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import torch
@@ -79,17 +80,28 @@ def compiled_decode_step(cpp_wrapper: bool):
     generated C++, not Python (a fifth of a small model's step was Python calling kernels); a
     model with oneDNN-prepacked weights (PackedLinear: opaque tensors, which the C++ wrapper
     cannot pass to an op) keeps the Python wrapper.
-    Made on first use: torch.compile imports Dynamo (and Triton, where installed). Dynamo
-    keeps 8 graphs per function by default and, with fullgraph, then fails the step: one
-    process may compile one per architecture, dtype, feature set and shape specialization
+    Made on first use: torch.compile imports Dynamo (and Triton, where installed)."""
+    return torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
+
+
+_configured = threading.local()
+
+
+def configure_dynamo() -> None:
+    """Dynamo's settings for the step, made in the calling thread: torch >= 2.12 keeps
+    Dynamo's config per thread, and the step compiles on whichever thread first runs a shape
+    (the draft worker has a thread of its own, the server's engine loop another).
+    Dynamo keeps 8 graphs per function by default and, with fullgraph, then fails the step:
+    one process may compile one per architecture, dtype, feature set and shape specialization
     (a target, its draft, EAGLE-3; the test session dozens), so the limit is raised to 64.
     Floats are specialized, as before torch 2.6: with dynamic shapes, Dynamo >= 2.6 makes
     every float module attribute (each RMSNorm's eps) a symbol, specializes them after the
     trace, and traces the whole decoder again (the default model's step compiled in 53 s
     with the compile caches warm, 18 s without the second trace; the same graph)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.specialize_float = True
-    return torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
+    if not getattr(_configured, "done", False):
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.specialize_float = True
+        _configured.done = True
 
 
 class CompiledDecodeStep:
@@ -112,6 +124,7 @@ class CompiledDecodeStep:
         """Compile the graphs of one sequence and of several now, running dummy tokens whose
         KV goes to the scratch block; the seconds it took."""
         start = time.perf_counter()
+        configure_dynamo()
         block_size = self.kv_cache.k[0].shape[1]
         for t in (1, 2):
             ids = torch.zeros(t, dtype=torch.long, device=device)
@@ -144,6 +157,7 @@ class CompiledDecodeStep:
         for a, context in trees:
             visible[a.query_start:a.query_start + a.query_len, context:a.seq_len] = a.mask
         ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
+        configure_dynamo()
         ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
         return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids.clone(), positions.clone(),
                          slots.clone(), torch.tensor(tables, dtype=torch.long, device=device), visible.to(device))
