@@ -56,8 +56,15 @@ def _compile_command(output: str) -> list[str]:
     includes = [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
     lib = root / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp", abi,
+    return [os.environ.get("CXX", "g++"), "-O3", "-march=native", _cpp_standard(), "-fPIC", "-shared", "-fopenmp", abi,
             *includes, str(SOURCE), "-o", output, f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _cpp_standard() -> str:
+    """The C++ standard torch's own extension builds use: C++20 from torch 2.13 (its headers
+    need it from 2.14), C++17 before."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
 
 
 def _build() -> Path:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 
@@ -188,6 +189,13 @@ def test_without_the_kernel_layers_keep_pytorchs_kernels(monkeypatch):
     assert "heterospec" not in linear_kernels(torch.nn.Sequential(int4, int8))
     x = torch.randn(64, 256, dtype=torch.bfloat16)
     assert int4(x).shape == int8(x).shape == (64, 96)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler here")
+def test_the_kernel_builds_wherever_there_is_a_compiler():
+    """A failed build leaves PyTorch's slower kernels and skips this file's other tests, so it
+    must not pass unseen: torch 2.14's headers need C++20, and a C++17 build failed there."""
+    assert cpu_kernels_available(), "the CPU kernel did not build: see the warning logged above"
 
 
 def test_a_failed_build_is_a_warning_not_an_error(tmp_path):
