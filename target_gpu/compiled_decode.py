@@ -139,6 +139,7 @@ class CompiledDecodeStep:
     def __call__(self, step, device: torch.device, block_size: int):
         """Run a prepared decode or verify step (ModelRunner.prepare's StepInput, every row
         wanting logits); returns (logits [T, V], hidden [T, H'])."""
+        configure_dynamo()
         num_blocks = max(2, max(-(-a.seq_len // block_size) for a in step.attn_inputs))
         window = self.model.config.sliding_window
         tables, limits, trees = [], [], []  # limits [T]: the last cache position a token sees below its tree
@@ -157,7 +158,6 @@ class CompiledDecodeStep:
         for a, context in trees:
             visible[a.query_start:a.query_start + a.query_len, context:a.seq_len] = a.mask
         ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
-        configure_dynamo()
         ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
         return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids.clone(), positions.clone(),
                          slots.clone(), torch.tensor(tables, dtype=torch.long, device=device), visible.to(device))
