@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from runtime.models import quant_linear
-from runtime.models.cpu_kernels import cpu_kernels_available
+from runtime.models.cpu_kernels import DISABLE_ENV, cpu_kernels_available
 from runtime.models.quant_linear import (MANY_ROWS_AMX, NO_GEMM, Int4Linear, Int8Linear, blocked_layout,
                                          linear_kernels)
 from runtime.models.quantized_weight import QuantizedWeight, gguf_int4_exact, quantize_int4, quantize_int8
@@ -191,7 +191,8 @@ def test_without_the_kernel_layers_keep_pytorchs_kernels(monkeypatch):
     assert int4(x).shape == int8(x).shape == (64, 96)
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler here")
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or os.environ.get(DISABLE_ENV) == "0",
+                    reason="no C++ compiler here, or the kernels are turned off")
 def test_the_kernel_builds_wherever_there_is_a_compiler():
     """A failed build leaves PyTorch's slower kernels and skips this file's other tests, so it
     must not pass unseen: torch 2.14's headers need C++20, and a C++17 build failed there."""
@@ -201,7 +202,7 @@ def test_the_kernel_builds_wherever_there_is_a_compiler():
 def test_a_failed_build_is_a_warning_not_an_error(tmp_path):
     """No compiler: cpu_kernels_available() is False, with the reason logged."""
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
-            "from runtime.models.cpu_kernels import cpu_kernels_available\n"
+            "from runtime.models.cpu_kernels import DISABLE_ENV, cpu_kernels_available\n"
             "print('available', cpu_kernels_available())")
     env = dict(os.environ, CXX="/bin/false", HETEROSPEC_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
