@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from runtime.config import ENGINE_ARGS, add_engine_args
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
+from runtime.prompts import is_token_ids
 from runtime.sampling_params import GuidedSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     if len(present) != 1:
         raise LineError('needs exactly one of "prompt" and "messages"')
     prompt = record["prompt"] if "prompt" in record else record["messages"]
-    if "prompt" in record and not (isinstance(prompt, str) or _is_token_ids(prompt)):
+    if "prompt" in record and not (isinstance(prompt, str) or is_token_ids(prompt)):
         raise LineError('"prompt" must be a string or a list of token ids')
     if "messages" in record and not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
         raise LineError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects')
@@ -329,11 +330,6 @@ def _check_spelling(record: dict) -> None:
         close = difflib.get_close_matches(key.lower().replace("-", "_"), TAKEN_KEYS, n=1, cutoff=0.85)
         if close:
             raise LineError(f"unknown key {key!r}; did you mean {close[0]!r}? (other keys are copied to the output)")
-
-
-def _is_token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in value)
 
 
 if __name__ == "__main__":

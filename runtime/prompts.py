@@ -25,12 +25,18 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
                 raise ValueError("each chat message needs a string 'role' and a string 'content' (or, from the "
                                  "assistant, 'tool_calls')")
         return tokenizer(_unicode(chat_text(tokenizer, prompt, tools)), add_special_tokens=False).input_ids
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if is_token_ids(prompt):
         if any(t < 0 or t >= vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return list(prompt)
     raise ValueError("a prompt is a non-empty string, a non-empty list of chat messages (or {'messages': [...], "
                      "'tools': [...]}, tools optional), or a list of token ids")
+
+
+def is_token_ids(value) -> bool:
+    """A non-empty list of ints (not bools: True is an int to Python, not to JSON)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in value)
 
 
 def _unicode(text: str) -> str:
