@@ -31,6 +31,7 @@ import torch
 
 from runtime.models.packed_linear import PackedLinear
 from target_gpu.kv_cache import KVCache
+from target_gpu.step_guards import drop_model_guards, structure_key
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -59,9 +60,13 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     return out.to(q.dtype).reshape(t, num_heads, head_dim)
 
 
-def decode_step(model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], feature_layers: frozenset[int],
-                input_ids, positions, slots, tables, visible) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode or verify step of `model` over per-layer KV caches; (logits [T, V], hidden [T, H'])."""
+def decode_step(structure: str, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                feature_layers: frozenset[int], input_ids, positions, slots, tables,
+                visible) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode or verify step of `model` over per-layer KV caches; (logits [T, V], hidden [T, H']).
+    structure: step_guards.structure_key(model), which the compiled step guards in place of the model."""
+    if not structure:  # read, so that Dynamo guards its value
+        raise ValueError("decode_step needs the model's structure key")
 
     def attention(layer_idx, q, k, v):
         return paged_decode_attention(q, k, v, k_caches[layer_idx], v_caches[layer_idx], slots, tables, visible)
@@ -80,8 +85,10 @@ def compiled_decode_step(cpp_wrapper: bool):
     generated C++, not Python (a fifth of a small model's step was Python calling kernels); a
     model with oneDNN-prepacked weights (PackedLinear: opaque tensors, which the C++ wrapper
     cannot pass to an op) keeps the Python wrapper.
+    The model's structure key stands in for Dynamo's guards on the model (step_guards).
     Made on first use: torch.compile imports Dynamo (and Triton, where installed)."""
-    return torch.compile(decode_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
+    return torch.compile(decode_step, dynamic=True, fullgraph=True,
+                         options={"cpp_wrapper": cpp_wrapper, "guard_filter_fn": drop_model_guards})
 
 
 _configured = threading.local()
@@ -112,6 +119,7 @@ class CompiledDecodeStep:
         self.model, self.kv_cache, self.feature_layers = model, kv_cache, feature_layers
         opaque = any(isinstance(m, PackedLinear) for m in model.modules())
         self.step = compiled_decode_step(cpp_wrapper=not opaque)
+        self.structure = structure_key(model)
         self.layers = frozenset(feature_layers)  # (compiled_decode_step)
         for cache in (*kv_cache.k, *kv_cache.v):  # [num_blocks, block_size, Hkv, D]
             # all but num_blocks fixed: left dynamic, a dim equal to B or NB shares their symbol
@@ -132,8 +140,8 @@ class CompiledDecodeStep:
             tables = torch.full((t, 2), scratch_block, dtype=torch.long, device=device)  # [T, NB]
             visible = torch.zeros(t, 2 * block_size, dtype=torch.bool, device=device)  # [T, L]
             visible[:, 0] = True
-            self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids, ids.clone(), slots, tables,
-                      visible)
+            self.step(self.structure, self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids, ids.clone(),
+                      slots, tables, visible)
         return time.perf_counter() - start
 
     def __call__(self, step, device: torch.device, block_size: int):
@@ -159,5 +167,6 @@ class CompiledDecodeStep:
             visible[a.query_start:a.query_start + a.query_len, context:a.seq_len] = a.mask
         ints = torch.tensor([step.input_ids, step.positions, step.slots], dtype=torch.long)  # [3, T]
         ids, positions, slots = (row.to(device) for row in ints.unbind(0))  # own storage each
-        return self.step(self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids.clone(), positions.clone(),
-                         slots.clone(), torch.tensor(tables, dtype=torch.long, device=device), visible.to(device))
+        return self.step(self.structure, self.model, self.kv_cache.k, self.kv_cache.v, self.layers, ids.clone(),
+                         positions.clone(), slots.clone(), torch.tensor(tables, dtype=torch.long, device=device),
+                         visible.to(device))

@@ -226,3 +226,16 @@ def test_compiled_verify_step_returns_eagle3_features_as_eager(engine_f32, tmp_p
     eager = first_decode_step(engine, False, trees, hidden=True)
     assert calls and compiled.shape == eager.shape == (2 + 2 + 1, 3 * engine.model_config.hidden_size)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_models_that_differ_only_in_a_float_the_graph_bakes_in_get_graphs_of_their_own(engine_f32, tmp_path):
+    """The compiled step checks the model's structure key, not the model itself
+    (target_gpu.step_guards). Two tiny models with the same weights, whose norms' eps differ
+    (a constant in the graphs), each decode as eager does, one after the other."""
+    from runtime.engine import LLMEngine
+    from tests.helpers import save_tiny_model
+    for eps in (1.11e-6, 0.25):
+        save_tiny_model("llama3", tmp_path / str(eps), engine_f32.tokenizer, rms_norm_eps=eps)
+        engine = LLMEngine(model=str(tmp_path / str(eps)), dtype="float32", device="cpu", kv_cache_memory="16MiB")
+        compiled, eager = first_decode_step(engine, True), first_decode_step(engine, False)
+        assert (compiled - eager).abs().max().item() < 1e-4, eps
