@@ -46,7 +46,7 @@ def structure_key(model: torch.nn.Module) -> str:
     """A digest of every object reachable from `model` through attributes, lists, tuples and
     dicts: each one's type, each scalar's value, each tensor's description, and which
     objects are the same object (tied weights, a config every layer holds)."""
-    first_seen: dict[int, int] = {}  # id -> visit number, for the objects met more than once
+    first_seen: dict[int, int] = {}  # id -> visit number: an object met again is written as its number
     lines: list[str] = []
 
     def visit(obj, path: str) -> None:
@@ -64,6 +64,11 @@ def structure_key(model: torch.nn.Module) -> str:
         lines.append(f"{path}:<{kind.__qualname__} {id(kind):x}>")
         if isinstance(obj, torch.Tensor):
             lines.append(tensor_description(obj))
+            if hasattr(obj, "__tensor_flatten__"):  # a tensor subclass (torchao's): its metadata and inner tensors
+                inner, metadata = obj.__tensor_flatten__()
+                lines.append(repr(metadata))
+                for name in inner:
+                    visit(getattr(obj, name), f"{path}.{name}")
         elif isinstance(obj, (list, tuple)):
             for i, item in enumerate(obj):
                 visit(item, f"{path}[{i}]")
