@@ -78,12 +78,14 @@ def structure_key(model: torch.nn.Module) -> str:
         elif isinstance(obj, (set, frozenset)):
             lines.append(repr(sorted(map(repr, obj))))
         else:
+            attributes = dict(getattr(obj, "__dict__", {}))
             for klass in kind.__mro__:
                 slots = getattr(klass, "__slots__", ())
-                for name in (slots,) if isinstance(slots, str) else slots:
-                    if hasattr(obj, name):
-                        visit(getattr(obj, name), f"{path}.{name}")
-            for name, value in getattr(obj, "__dict__", {}).items():
+                attributes.update((name, getattr(obj, name)) for name in ((slots,) if isinstance(slots, str) else slots)
+                                  if hasattr(obj, name))
+            if not attributes:  # opaque (a C++ handle, such as a process group): by identity
+                lines.append(f"{path}=<{id(obj):x}>")
+            for name, value in attributes.items():
                 visit(value, f"{path}.{name}")
 
     visit(model, "model")

@@ -29,6 +29,16 @@ def test_models_that_differ_only_in_weight_values_share_a_key():
     assert structure_key(a) == structure_key(b)
 
 
+def test_opaque_objects_count_by_identity():
+    """An object with no attributes to compare (a C++ handle, such as a process group)
+    could be baked into a graph: two of them make two keys."""
+    a, b = tiny(), tiny()
+    a.handle, b.handle = object(), object()
+    assert structure_key(a) != structure_key(b)
+    b.handle = a.handle
+    assert structure_key(a) == structure_key(b)
+
+
 class OtherNorm(RMSNorm):
     pass
 
