@@ -202,7 +202,7 @@ def test_the_kernel_builds_wherever_there_is_a_compiler():
 def test_a_failed_build_is_a_warning_not_an_error(tmp_path):
     """No compiler: cpu_kernels_available() is False, with the reason logged."""
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
-            "from runtime.models.cpu_kernels import DISABLE_ENV, cpu_kernels_available\n"
+            "from runtime.models.cpu_kernels import cpu_kernels_available\n"
             "print('available', cpu_kernels_available())")
     env = dict(os.environ, CXX="/bin/false", HETEROSPEC_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

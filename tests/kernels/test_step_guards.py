@@ -17,7 +17,6 @@ from target_gpu.step_guards import drop_model_guards, is_model_guard, structure_
 def tiny(**overrides) -> DecoderModel:
     config = dict(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
-    torch.manual_seed(len(overrides))
     return DecoderModel(ModelConfig(**{**config, **overrides})).eval().requires_grad_(False)
 
 
