@@ -122,11 +122,10 @@ class EngineSettings:
         return device
 
     def resolved_dtype(self, device: torch.device) -> str:
-        """auto: bfloat16 on CUDA and on CPUs with bf16 math (AMX, AVX-512 BF16: faster
-        matmuls than float32), float32 otherwise (oneDNN would emulate bf16)."""
+        """auto: bfloat16 on CUDA, else cpu_dtype's choice for the target."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device.type == "cuda" or cpu_has_bf16_math() else "float32"
+        return "bfloat16" if device.type == "cuda" else cpu_dtype(self.model, self.quantization)
 
     def resolved_quantization(self, launch: TPLaunch | None) -> str:
         """auto under tensor parallelism on CUDA: none (float weights are what CUDA ranks split)."""
@@ -155,7 +154,7 @@ class EngineSettings:
             return self.draft_dtype
         if draft_device.type == target_device.type:
             return target_dtype
-        return "bfloat16" if draft_device.type == "cuda" or cpu_has_bf16_math() else "float32"
+        return "bfloat16" if draft_device.type == "cuda" else cpu_dtype(self.draft_model, self.draft_quantization)
 
     def speculative_tokens(self, speculator: str) -> int:
         if speculator == "none":
@@ -183,6 +182,21 @@ class EngineSettings:
         if draft_device == target_device and draft_device.type == "cuda":
             return 0.5
         return self.kv_cache_default_fraction(draft_device)
+
+
+def cpu_dtype(model: str, quantization: str) -> str:
+    """--dtype auto on the CPU for `model` loaded with `quantization`: bfloat16 on CPUs with
+    bf16 math (AMX, AVX-512 BF16: faster matmuls than float32). On other CPUs float32 (oneDNN
+    would emulate bf16), except where the model's linear layers stay int4/int8 and this CPU
+    runs them in heterospec_cpu.quant_linear (AVX2 or better): its inputs are quantized to int8
+    whatever the dtype, and with float32 the weights would be dequantized to float32 at load
+    (quant_linear.DequantizedLinear: 4 to 8 times the bytes a step reads), so bfloat16 there."""
+    if cpu_has_bf16_math():
+        return "bfloat16"
+    from runtime.models.cpu_kernels import cpu_kernels_available, kernel_isa
+    from runtime.models.loader import keeps_quantized_linears
+    int8_kernel = cpu_kernels_available() and kernel_isa() != "portable"
+    return "bfloat16" if int8_kernel and keeps_quantized_linears(model, quantization) else "float32"
 
 
 def with_index(device: torch.device) -> torch.device:

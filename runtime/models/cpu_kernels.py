@@ -11,8 +11,9 @@ heterospec_cpu::quant_linear(x bf16 [M, K], q, scales, offsets, bits, group, man
 tile_bytes) -> bf16 [M, N]: y = x W^T for an int4/int8 weight-only quantized W in the blocked
 layout (kernels/quant_linear.cpp): integer dot products on the packed bytes up to many_rows
 rows, tiles of W dequantized into a bf16 GEMM above (one op: a compiled graph holds no branch
-on the row count). quant_linear_portable: the same without the AVX-512 VNNI code (for tests);
-has_vector_code(): whether quant_linear runs it.
+on the row count). Its vector code is AVX-512 VNNI's or AVX2's, whichever the build has
+(`kernel_isa()` names it); quant_linear_isa(..., isa) runs the code of one instruction set of
+ISAS that the build has (isa_built(isa)), for tests.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
+ISAS = ("portable", "AVX2", "AVX-512 VNNI")  # kernels/quant_linear.cpp's Isa, in its order
 DISABLE_ENV = "HETEROSPEC_CPU_KERNELS"  # "0": never build or load them (PyTorch's kernels only)
 
 
@@ -100,8 +102,13 @@ def cpu_kernels_available() -> bool:
                     "weight-only kernels at every row count", e)
         return False
     torch.library.register_fake("heterospec_cpu::quant_linear")(_rows_by_outputs)
-    torch.library.register_fake("heterospec_cpu::quant_linear_portable")(_rows_by_outputs)
+    torch.library.register_fake("heterospec_cpu::quant_linear_isa")(_rows_by_outputs)
     return True
+
+
+def kernel_isa() -> str:
+    """The instruction set quant_linear's code uses here (one of ISAS; needs the kernel)."""
+    return ISAS[torch.ops.heterospec_cpu.best_isa()]
 
 
 def _rows_by_outputs(x, q, scales, *args):

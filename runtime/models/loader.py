@@ -155,6 +155,26 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | to
     return model, tokenizer, config
 
 
+def keeps_quantized_linears(spec: str, quantization: str) -> bool:
+    """Whether load_model(spec, quantization=quantization) keeps linear layers in int4/int8:
+    int4 and int8 always; auto where the file holds them (GGUF integer types, GPTQ, AWQ). Read
+    from the file's header, before loading; a file load_model would refuse counts as False
+    (load_model then says why)."""
+    if quantization in ("int4", "int8"):
+        return True
+    if quantization != "auto":
+        return False
+    try:
+        source = resolve_model(spec)
+        if source.kind == "hf_dir":
+            qc = json.loads((source.path / "config.json").read_text()).get("quantization_config") or {}
+            return qc.get("quant_method") in ("gptq", "awq")
+        return any(gguf_precision_bits(t.tensor_type.name) is not None for t in GGUFFile(source.path).tensors
+                   if is_linear_weight(gguf_hf_name(t.name)))
+    except (OSError, ValueError):
+        return False
+
+
 TOKENIZER_CACHE_VERSION = 2  # 2: the GGUF's own add_bos_token (transformers 4 put BOS first regardless)
 
 

@@ -7,7 +7,8 @@ Kernels:
     heterospec_cpu.quant_linear over the weight in its blocked layout (one copy;
     runtime/models/cpu_kernels.py builds it). Up to many_rows rows, the activations are
     quantized to int8 per block of 32 (as llama.cpp does on the CPU) and integer dot
-    products run on the packed bytes (AVX-512 VNNI); above, tiles of the weight are
+    products run on the packed bytes (AVX-512 VNNI, else AVX2; a CPU with neither keeps
+    PyTorch's kernels below); above, tiles of the weight are
     dequantized into a bf16 GEMM (default_many_rows: only CPUs with AMX go there). PyTorch's
     own int4/int8 CPU kernels dequantize each weight to float32 in registers for each small
     block of rows and multiply with float32 FMAs, so their cost grows with the rows: a whole
@@ -40,7 +41,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from runtime.models.cpu_kernels import cpu_kernels_available
+from runtime.models.cpu_kernels import cpu_kernels_available, kernel_isa
 from runtime.models.packed_linear import PackedLinear, can_prepack
 from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
 from runtime.platform import amx_available
@@ -109,7 +110,8 @@ def can_use_blocked(weight: QuantizedWeight, device: torch.device, dtype: torch.
     in_half_range = all(t is None or t.abs().max().item() < torch.finfo(torch.float16).max
                         for t in (weight.scales, weight.offsets))
     return (device.type == "cpu" and dtype == torch.bfloat16 and n % BLOCK == 0 and k % 32 == 0
-            and weight.group_size % 32 == 0 and in_half_range and cpu_kernels_available())
+            and weight.group_size % 32 == 0 and in_half_range and cpu_kernels_available()
+            and kernel_isa() != "portable")  # the portable code is there for tests: slower than PyTorch's
 
 
 class QuantizedLinear(nn.Module):
@@ -159,7 +161,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("block_scales", scales.to(device))  # [N/16, G, 16]
         self.register_buffer("block_offsets", None if offsets is None else offsets.to(device))
         self.many_rows = many_rows
-        self.kernel = f"int{weight.bits} heterospec_cpu.quant_linear (int8 activations" + (
+        self.kernel = f"int{weight.bits} heterospec_cpu.quant_linear ({kernel_isa()}, int8 activations" + (
             ")" if many_rows >= NO_GEMM else f" <= {many_rows} rows, bf16 GEMM above)")
         return True
 

@@ -7,8 +7,10 @@ and the choice of kernels in Int4Linear / Int8Linear.
   int8 per row), and against the exact product within int8 activations' error.
 - Many rows: tiles of the weight dequantized into a bf16 GEMM, against x W^T with W rounded
   to bf16.
-- The AVX-512 VNNI code and the portable code (quant_linear_portable, the code CPUs without
-  VNNI run) agree, at every row count including ragged row tiles and odd block counts.
+- Every instruction set's code the build has (quant_linear_isa: AVX-512 VNNI, AVX2, portable)
+  passes the checks above, and the vector code agrees with the portable code at every row
+  count including ragged row tiles and odd block counts. An AVX-512 VNNI machine runs all three,
+  an AVX2 machine two; the others skip, naming what is missing.
 - Each choice can be forced: many_rows=0 (always the GEMM), NO_GEMM (never), None (PyTorch's
   kernels); the default follows the CPU (AMX: GEMM above MANY_ROWS_AMX). One op either way,
   so a compiled graph with a dynamic row count compiles once.
@@ -28,7 +30,7 @@ import pytest
 import torch
 
 from runtime.models import quant_linear
-from runtime.models.cpu_kernels import DISABLE_ENV, cpu_kernels_available
+from runtime.models.cpu_kernels import DISABLE_ENV, ISAS, cpu_kernels_available, kernel_isa
 from runtime.models.quant_linear import (MANY_ROWS_AMX, NO_GEMM, Int4Linear, Int8Linear, blocked_layout,
                                          linear_kernels)
 from runtime.models.quantized_weight import QuantizedWeight, gguf_int4_exact, quantize_int4, quantize_int8
@@ -39,7 +41,18 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernel did not build here")
-OPS = ("quant_linear", "quant_linear_portable")
+# the layers take the kernel only where it has vector code (AVX2 or better): elsewhere PyTorch's
+needs_layers_on_kernel = pytest.mark.skipif(not cpu_kernels_available() or kernel_isa() == "portable",
+                                            reason="the CPU kernel has no vector code here: layers keep PyTorch's")
+
+
+def built(isa: str) -> bool:
+    return cpu_kernels_available() and torch.ops.heterospec_cpu.isa_built(ISAS.index(isa))
+
+
+# each instruction set's code, and the op's own choice (None)
+PATHS = [pytest.param(isa, marks=pytest.mark.skipif(not built(isa), reason=f"this build has no {isa} code"))
+         for isa in ISAS] + [None]
 
 
 def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -80,20 +93,23 @@ def int8_activation_product(x: torch.Tensor, weight: QuantizedWeight) -> torch.T
     return x_hat @ stored(weight).double().t()
 
 
-def run_op(op: str, x: torch.Tensor, weight: QuantizedWeight, many_rows: int) -> torch.Tensor:
+def run_op(isa: str | None, x: torch.Tensor, weight: QuantizedWeight, many_rows: int) -> torch.Tensor:
+    """quant_linear, or with isa, the code of that instruction set (quant_linear_isa)."""
     q, scales, offsets = blocked_layout(weight)
-    return getattr(torch.ops.heterospec_cpu, op)(x, q, scales, offsets, weight.bits, weight.group_size, many_rows,
-                                                 16 * 256 * 2)  # 16-column tiles: several per thread
+    args = (x, q, scales, offsets, weight.bits, weight.group_size, many_rows, 16 * 256 * 2)  # 16-column tiles
+    if isa is None:
+        return torch.ops.heterospec_cpu.quant_linear(*args)
+    return torch.ops.heterospec_cpu.quant_linear_isa(*args, ISAS.index(isa))
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", list(WEIGHTS))
 @pytest.mark.parametrize("rows", [1, 7, 40])
-@pytest.mark.parametrize("op", OPS)
-def test_few_rows_regime_is_int8_activations_on_the_weight(name, rows, op):
+@pytest.mark.parametrize("isa", PATHS)
+def test_few_rows_regime_is_int8_activations_on_the_weight(name, rows, isa):
     weight, exact_weight = WEIGHTS[name]
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
-    out = run_op(op, x, weight, NO_GEMM)
+    out = run_op(isa, x, weight, NO_GEMM)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 208)
     reference = int8_activation_product(x, weight)
     torch.testing.assert_close(out.double(), reference, atol=1e-3 * reference.abs().max().item(), rtol=8e-3)
@@ -104,16 +120,16 @@ def test_few_rows_regime_is_int8_activations_on_the_weight(name, rows, op):
 @needs_kernel
 @pytest.mark.parametrize("name", list(WEIGHTS))
 @pytest.mark.parametrize("rows", [1, 40])
-@pytest.mark.parametrize("op", OPS)
-def test_many_rows_regime_is_a_bf16_gemm_on_the_weight(name, rows, op):
+@pytest.mark.parametrize("isa", PATHS)
+def test_many_rows_regime_is_a_bf16_gemm_on_the_weight(name, rows, isa):
     weight, exact_weight = WEIGHTS[name]
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
-    out = run_op(op, x, weight, 0)
+    out = run_op(isa, x, weight, 0)
     reference = x.float() @ stored(weight).bfloat16().float().t()
     torch.testing.assert_close(out.float(), reference, atol=2e-2 * reference.abs().max().item(), rtol=1e-2)
 
 
-@needs_kernel
+@needs_layers_on_kernel
 def test_ggufs_q4_0_and_q4_1_are_stored_exactly():
     for name in ("Q4_0", "Q4_1"):
         weight, gguf_dequantized = WEIGHTS[name]
@@ -123,15 +139,34 @@ def test_ggufs_q4_0_and_q4_1_are_stored_exactly():
 
 @needs_kernel
 @pytest.mark.parametrize("many_rows", [0, NO_GEMM])
-def test_vector_and_portable_code_agree(many_rows):
-    if not torch.ops.heterospec_cpu.has_vector_code():
-        pytest.skip("this CPU has no AVX-512 VNNI: quant_linear runs the portable code")
+@pytest.mark.parametrize("isa", PATHS[1:3])
+def test_vector_and_portable_code_agree(many_rows, isa):
     for weight, _ in WEIGHTS.values():
         for rows in (1, 2, 3, 4, 5, 9):
             x = torch.randn(rows, 256, dtype=torch.bfloat16)
-            vector, portable = run_op(OPS[0], x, weight, many_rows), run_op(OPS[1], x, weight, many_rows)
+            vector, portable = run_op(isa, x, weight, many_rows), run_op("portable", x, weight, many_rows)
             torch.testing.assert_close(vector.float(), portable.float(), atol=1e-3 * portable.abs().max().item(),
                                        rtol=8e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", PATHS[1:3])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weights_at_the_ends_of_their_range(isa, bits):
+    """AVX2 multiplies bytes into saturating int16 pair sums: the largest weights (int4 0 and
+    15; int8 -128 and 127) against activations of +-127 must still sum exactly."""
+    k = 256
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    q = torch.full((16, k), high, dtype=torch.uint8 if bits == 4 else torch.int8)
+    q[::2] = low
+    q[1::4, ::3] = low  # mixed rows too
+    weight = QuantizedWeight(bits, q, torch.ones(16, 1), None, k, "x")
+    x = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0).repeat(3, 1)  # [3, K]; x_q = +-127
+    x[1], x[2] = -x[1], 1.0
+    out = run_op(isa, x.bfloat16(), weight, NO_GEMM).double()
+    reference = (torch.round(x * 127) / 127).double() @ q.double().t()
+    # exact integer sums (a saturated pair would be off by hundreds), then float32 scaling and bf16
+    torch.testing.assert_close(out, reference, atol=1e-4 * reference.abs().max().item(), rtol=1 / 128)
 
 
 def layer(bits: int, many_rows, out_features: int = 96):
@@ -143,7 +178,7 @@ def layer(bits: int, many_rows, out_features: int = 96):
     return Int8Linear(quantize_int8(w, "x"), bias, torch.bfloat16, CPU, many_rows=many_rows)
 
 
-@needs_kernel
+@needs_layers_on_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_layers_choose_by_rows_and_each_choice_can_be_forced(bits):
     pytorch, gemm, dots, split = layer(bits, None), layer(bits, 0), layer(bits, NO_GEMM), layer(bits, 24)
@@ -160,7 +195,7 @@ def test_layers_choose_by_rows_and_each_choice_can_be_forced(bits):
         assert torch.equal(split(x), (dots if rows <= 24 else gemm)(x))
 
 
-@needs_kernel
+@needs_layers_on_kernel
 def test_the_default_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(quant_linear, "amx_available", lambda: True)
     assert layer(4, "auto").many_rows == MANY_ROWS_AMX
@@ -169,7 +204,7 @@ def test_the_default_follows_the_cpu(monkeypatch):
     assert layer(8, "auto", out_features=100).many_rows is None  # 16 does not divide N: PyTorch's kernel
 
 
-@needs_kernel
+@needs_layers_on_kernel
 def test_compiled_layer_compiles_once_over_row_counts():
     from torch._dynamo.testing import CompileCounter
     int4 = layer(4, 24)

@@ -286,3 +286,40 @@ def test_sampled_draft_speculation_on_a_quantized_target_follows_the_target(quan
                  + (rest_observed - rest_expected) ** 2 / rest_expected)
     assert len(frequent) >= 2
     assert chi2_sf(stat, len(frequent)) > 0.01, (stat, len(frequent))
+
+
+@pytest.mark.parametrize("bf16_math, isa, quantization, expected", [
+    (True, "portable", "none", "bfloat16"),  # AMX or AVX-512 BF16: always
+    (False, "AVX2", "auto", "bfloat16"),  # the default model's Q4_1 layers run in the int8-activation kernel
+    (False, "AVX-512 VNNI", "int8", "bfloat16"),
+    (False, "AVX2", "none", "float32"),  # float weights: oneDNN would emulate bf16
+    (False, "portable", "auto", "float32"),  # no vector kernel: PyTorch's, dequantized in float32
+])
+def test_auto_dtype_on_a_cpu_follows_its_math_and_the_linear_layers(monkeypatch, bf16_math, isa, quantization,
+                                                                     expected):
+    from runtime import config as engine_config
+    from runtime.models import cpu_kernels
+    monkeypatch.setattr(engine_config, "cpu_has_bf16_math", lambda: bf16_math)
+    monkeypatch.setattr(cpu_kernels, "cpu_kernels_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: isa)
+    settings = engine_config.EngineConfig(model="smollm2-135m", quantization=quantization)
+    assert settings.resolved_dtype(CPU) == expected
+    assert settings.resolved_dtype(torch.device("cuda")) == "bfloat16"
+    draft = engine_config.EngineConfig(draft_model="smollm2-135m", draft_quantization=quantization)
+    assert draft.resolved_draft_dtype(CPU, torch.device("cuda"), "bfloat16") == expected
+
+
+@pytest.mark.parametrize("quantization_config, expected", [
+    (None, False), ({"quant_method": "gptq", "bits": 4}, True), ({"quant_method": "awq", "bits": 4}, True),
+    ({"quant_method": "fp8"}, False)])  # FP8 is upcast to float on the CPU
+def test_which_hf_checkpoints_keep_quantized_linears(tmp_path, quantization_config, expected):
+    from runtime.models.loader import keeps_quantized_linears
+    config = {"architectures": ["LlamaForCausalLM"]}
+    if quantization_config:
+        config["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # only the header is read, and not even that
+    assert keeps_quantized_linears(str(tmp_path), "auto") is expected
+    assert keeps_quantized_linears(str(tmp_path), "int4") and not keeps_quantized_linears(str(tmp_path), "none")
+    assert keeps_quantized_linears("smollm2-135m", "auto")  # Q4_1 and Q8_0 tensors
+    assert not keeps_quantized_linears(str(tmp_path / "missing"), "auto")  # load_model says why

@@ -4,7 +4,7 @@
 //   - M <= many_rows (decode steps, small batches, verify trees): each row of x is quantized
 //     to int8 per block of 32 (scale max|x| / 127, as llama.cpp's Q8_0 activations), and
 //     integer dot products run straight on the packed weight bytes (AVX-512 VNNI vpdpbusd:
-//     64 multiply-adds per instruction). The weight is read once for all rows and never
+//     64 multiply-adds per instruction; AVX2: 32 per vpmaddubsw). The weight is read once for all rows and never
 //     expanded, so a step runs near the memory bandwidth limit. PyTorch's own int4/int8 CPU
 //     kernels dequantize each weight to float32 in registers for each small block of rows and
 //     multiply with float32 FMAs: compute bound from a few rows (2-3x this time at 16-512).
@@ -25,8 +25,11 @@
 //   an int4 layer's bytes).
 // x bf16 [M, K] contiguous; returns bf16 [M, N].
 //
-// The vector code needs AVX-512 F/BW and VNNI (-march=native at build time); elsewhere the
-// portable code computes the same sums (quant_linear_portable runs it anywhere, for tests).
+// Vector code, chosen when the file is built (-march=native): AVX-512 F/BW and VNNI
+// (vpdpbusd), else AVX2 with FMA and F16C (vpmaddubsw and vpmaddwd, as llama.cpp's AVX2 dot
+// products; the CPUs without AVX-512 VNNI: AMD Zen 2/3, Intel Skylake and older), else the
+// portable code. Every path computes the same integer sums; quant_linear_isa runs any path
+// this build has (for tests), quant_linear the best.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,14 +42,26 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define HS_VNNI 1
-constexpr bool kHasVector = true;
-#else
-constexpr bool kHasVector = false;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HS_AVX2 1
+#endif
+#if defined(HS_VNNI) || defined(HS_AVX2)
+#include <immintrin.h>
 #endif
 
 namespace {
+
+enum class Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };  // Python: cpu_kernels.ISAS
+
+#if defined(HS_VNNI)
+constexpr Isa kBestIsa = Isa::kAvx512Vnni;
+#elif defined(HS_AVX2)
+constexpr Isa kBestIsa = Isa::kAvx2;
+#else
+constexpr Isa kBestIsa = Isa::kPortable;
+#endif
 
 constexpr int64_t kBlock = 16;  // outputs per block
 constexpr int64_t kRowTile = 4;  // rows of x per pass over a block's weight (registers)
@@ -95,10 +110,10 @@ struct QuantizedRows {
   std::vector<int32_t> qsum;  // [M, K/32]: the block's sum of q, for int8's +128
 };
 
-template <bool kVector>
+template <Isa kIsa>
 void quantize_block(const uint16_t* x, int8_t* q, float* scale, float* sum, int32_t* qsum) {
 #ifdef HS_VNNI
-  if constexpr (kVector) {
+  if constexpr (kIsa == Isa::kAvx512Vnni) {
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
     const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -131,7 +146,7 @@ void quantize_block(const uint16_t* x, int8_t* q, float* scale, float* sum, int3
   *sum = *scale * static_cast<float>(qtotal);
 }
 
-template <bool kVector>
+template <Isa kIsa>
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   QuantizedRows a{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * blocks),
@@ -139,7 +154,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const auto* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, M * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_block<kVector>(xd + i * 32, a.q.data() + i * 32, &a.scale[i], &a.sum[i], &a.qsum[i]);
+      quantize_block<kIsa>(xd + i * 32, a.q.data() + i * 32, &a.scale[i], &a.sum[i], &a.qsum[i]);
   });
   return a;
 }
@@ -159,7 +174,7 @@ struct Weight {
 // Rows m0 .. m0+R of y for output block b, as float32 [R, 16] into out. Loops run over groups
 // and then their k blocks (no division in the loop); kBits is a template argument so that
 // the inner loop holds no branch.
-template <bool kVector, int R, int kBits>
+template <Isa kIsa, int R, int kBits>
 void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, float* out) {
   const int64_t K = w.K, kblocks = K / 32, per_group = w.group / 32, groups = w.groups();
   constexpr int64_t kBlockBytes = kBits == 4 ? 256 : 512;  // one k block of 32 x 16 outputs
@@ -171,7 +186,7 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
   const float* __restrict xsum = a.sum.data() + m0 * kblocks;
   const int32_t* __restrict xqsum = a.qsum.data() + m0 * kblocks;
 #ifdef HS_VNNI
-  if constexpr (kVector) {
+  if constexpr (kIsa == Isa::kAvx512Vnni) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -205,6 +220,74 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
     return;
   }
 #endif
+#ifdef HS_AVX2
+  if constexpr (kIsa == Isa::kAvx2) {
+    // two halves of 8 outputs (the 64-byte vector's first and second 32 bytes); vpmaddubsw
+    // multiplies unsigned by signed bytes into saturating int16 pair sums, so each operand pair
+    // is kept in range: int4 u (0..15) by x (|x| <= 127), whose 8 quads sum to at most
+    // 8 x 2 x 15 x 127 = 30480 in int16; int8 |w| (w = u - 128) by x with w's sign, one quad
+    // at a time (2 x 128 x 127 = 32512), widened to int32 before the next
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(-128);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * kBlock))),
+                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * kBlock + 8)))};
+      __m256 o[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (ob) {
+        o[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ob + g * kBlock)));
+        o[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ob + g * kBlock + 8)));
+      }
+      for (int64_t kb = g * per_group; kb < (g + 1) * per_group; ++kb) {
+        const uint8_t* p = qb + kb * kBlockBytes;
+        const int32_t* x4[R];  // each row's k block as 8 quads of int8
+        for (int r = 0; r < R; ++r) x4[r] = reinterpret_cast<const int32_t*>(xq + r * K + kb * 32);
+        __m256i dot[R][2];
+        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        // each weight vector is loaded and unpacked once for all R rows
+        if constexpr (kBits == 4) {
+          for (int c = 0; c < 4; ++c) {
+            for (int h = 0; h < 2; ++h) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32 * h));
+              const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+              for (int r = 0; r < R; ++r)
+                dot[r][h] = _mm256_add_epi16(dot[r][h], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[r][2 * c])),
+                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[r][2 * c + 1]))));
+            }
+          }
+          for (int r = 0; r < R; ++r)
+            for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(dot[r][h], ones);
+        } else {
+          for (int t = 0; t < 8; ++t) {
+            for (int h = 0; h < 2; ++h) {
+              const __m256i w = _mm256_xor_si256(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * t + 32 * h)), bias);  // u - 128
+              const __m256i magnitude = _mm256_abs_epi8(w);
+              for (int r = 0; r < R; ++r) {
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x4[r][t]), w));
+                dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs, ones));
+              }
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t blk = r * kblocks + kb;
+          const __m256 xs = _mm256_set1_ps(xscale[blk]), xm = _mm256_set1_ps(xsum[blk]);
+          for (int h = 0; h < 2; ++h) {
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(s[h], xs), acc[r][h]);
+            if (ob) acc[r][h] = _mm256_fmadd_ps(o[h], xm, acc[r][h]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * kBlock, acc[r][0]);
+      _mm256_storeu_ps(out + r * kBlock + 8, acc[r][1]);
+    }
+    return;
+  }
+#endif
   for (int r = 0; r < R; ++r) {
     float acc[kBlock] = {};
     for (int64_t kb = 0; kb < kblocks; ++kb) {
@@ -228,7 +311,7 @@ void dot_block(const Weight& w, int64_t b, const QuantizedRows& a, int64_t m0, f
   }
 }
 
-template <bool kVector, int kBits>
+template <Isa kIsa, int kBits>
 void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uint16_t* y) {
   at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     float out[kRowTile * kBlock];
@@ -236,10 +319,10 @@ void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uin
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, M - m0);
         switch (rows) {
-          case 4: dot_block<kVector, 4, kBits>(w, b, a, m0, out); break;
-          case 3: dot_block<kVector, 3, kBits>(w, b, a, m0, out); break;
-          case 2: dot_block<kVector, 2, kBits>(w, b, a, m0, out); break;
-          default: dot_block<kVector, 1, kBits>(w, b, a, m0, out); break;
+          case 4: dot_block<kIsa, 4, kBits>(w, b, a, m0, out); break;
+          case 3: dot_block<kIsa, 3, kBits>(w, b, a, m0, out); break;
+          case 2: dot_block<kIsa, 2, kBits>(w, b, a, m0, out); break;
+          default: dot_block<kIsa, 1, kBits>(w, b, a, m0, out); break;
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t i = 0; i < kBlock; ++i) y[(m0 + r) * N + b * kBlock + i] = bf16_bits(out[r * kBlock + i]);
@@ -251,7 +334,7 @@ void dot_rows(const Weight& w, const QuantizedRows& a, int64_t M, int64_t N, uin
 // ---- many rows: tiles of W dequantized to bf16, then a bf16 GEMM ---------------------------
 
 // Output block b of W as bf16 into columns [col, col + 16) of tile [K, ld].
-template <bool kVector>
+template <Isa kIsa>
 void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, int64_t col) {
   const int64_t per_group = w.group / 32;
   const uint8_t* qb = w.q + b * w.block_bytes();
@@ -269,7 +352,7 @@ void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, in
       const uint8_t* chunk = w.bits == 4 ? qb + (t / 8) * 256 + 64 * ((t % 8) / 2) : qb + 64 * t;
       const int shift = w.bits == 4 ? 4 * (t % 2) : 0;
 #ifdef HS_VNNI
-      if constexpr (kVector) {
+      if constexpr (kIsa == Isa::kAvx512Vnni) {
         const __m512i v = _mm512_loadu_si512(chunk);
         for (int j = 0; j < 4; ++j) {
           const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask));
@@ -292,7 +375,7 @@ void dequantize_block(const Weight& w, int64_t b, uint16_t* tile, int64_t ld, in
   }
 }
 
-template <bool kVector>
+template <Isa kIsa>
 void gemm_rows(const Weight& w, const at::Tensor& x, int64_t N, int64_t tile_bytes, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K;
   // tiles of at most tile_bytes, and at least two per thread where N allows (load balance)
@@ -304,7 +387,7 @@ void gemm_rows(const Weight& w, const at::Tensor& x, int64_t N, int64_t tile_byt
     std::vector<uint16_t> tile(K * tile_cols);  // bf16 [K, cols]
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile_cols, cols = std::min(tile_cols, N - n0);
-      for (int64_t c = 0; c < cols; c += kBlock) dequantize_block<kVector>(w, (n0 + c) / kBlock, tile.data(), cols, c);
+      for (int64_t c = 0; c < cols; c += kBlock) dequantize_block<kIsa>(w, (n0 + c) / kBlock, tile.data(), cols, c);
       at::Tensor part = at::mm(x, at::from_blob(tile.data(), {K, cols}, x.options()));  // [M, cols]
       const auto* src = part.data_ptr<at::BFloat16>();
       for (int64_t m = 0; m < M; ++m) std::memcpy(yd + m * N + n0, src + m * cols, cols * sizeof(at::BFloat16));
@@ -314,7 +397,7 @@ void gemm_rows(const Weight& w, const at::Tensor& x, int64_t N, int64_t tile_byt
 
 // ---- the op ---------------------------------------------------------------------------------
 
-template <bool kVector>
+template <Isa kIsa>
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
                const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group, int64_t many_rows,
                int64_t tile_bytes) {
@@ -336,14 +419,14 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (M > many_rows) {
-    gemm_rows<kVector>(w, x, N, tile_bytes, y);
+    gemm_rows<kIsa>(w, x, N, tile_bytes, y);
   } else {
-    const QuantizedRows a = quantize_rows<kVector>(x);
+    const QuantizedRows a = quantize_rows<kIsa>(x);
     auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
     if (bits == 4)
-      dot_rows<kVector, 4>(w, a, M, N, yd);
+      dot_rows<kIsa, 4>(w, a, M, N, yd);
     else
-      dot_rows<kVector, 8>(w, a, M, N, yd);
+      dot_rows<kIsa, 8>(w, a, M, N, yd);
   }
   return y;
 }
@@ -351,28 +434,53 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group, int64_t many_rows,
                         int64_t tile_bytes) {
-  return run<kHasVector>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
+  return run<kBestIsa>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
 }
 
-at::Tensor quant_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                                 const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
-                                 int64_t many_rows, int64_t tile_bytes) {
-  return run<false>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
+bool isa_built(int64_t isa) {
+  switch (static_cast<Isa>(isa)) {
+    case Isa::kPortable: return true;
+#ifdef HS_AVX2
+    case Isa::kAvx2: return true;
+#endif
+#ifdef HS_VNNI
+    case Isa::kAvx512Vnni: return true;
+#endif
+    default: return false;
+  }
 }
 
-bool has_vector_code() { return kHasVector; }
+// quant_linear with the code of one instruction set (Isa), which this build must have: so
+// that a test can run every path the CPU can, whichever quant_linear picks
+at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group, int64_t many_rows,
+                            int64_t tile_bytes, int64_t isa) {
+  TORCH_CHECK(isa_built(isa), "quant_linear_isa: instruction set ", isa, " is not in this build");
+  switch (static_cast<Isa>(isa)) {
+#ifdef HS_VNNI
+    case Isa::kAvx512Vnni: return run<Isa::kAvx512Vnni>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
+#endif
+#ifdef HS_AVX2
+    case Isa::kAvx2: return run<Isa::kAvx2>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
+#endif
+    default: return run<Isa::kPortable>(x, q, scales, offsets, bits, group, many_rows, tile_bytes);
+  }
+}
+
+int64_t best_isa() { return static_cast<int64_t>(kBestIsa); }
 
 }  // namespace
 
 TORCH_LIBRARY(heterospec_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? offsets, int bits, int group, int many_rows, "
         "int tile_bytes) -> Tensor");
-  m.def("quant_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor? offsets, int bits, int group, "
-        "int many_rows, int tile_bytes) -> Tensor");
-  m.def("has_vector_code() -> bool", &has_vector_code);
+  m.def("quant_linear_isa(Tensor x, Tensor q, Tensor scales, Tensor? offsets, int bits, int group, "
+        "int many_rows, int tile_bytes, int isa) -> Tensor");
+  m.def("best_isa() -> int", &best_isa);
+  m.def("isa_built(int isa) -> bool", &isa_built);
 }
 
 TORCH_LIBRARY_IMPL(heterospec_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
-  m.impl("quant_linear_portable", &quant_linear_portable);
+  m.impl("quant_linear_isa", &quant_linear_isa);
 }
