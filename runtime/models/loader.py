@@ -155,14 +155,15 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str | to
     return model, tokenizer, config
 
 
-def keeps_quantized_linears(spec: str, quantization: str) -> bool:
+def keeps_quantized_linears(spec: str | None, quantization: str) -> bool:
     """Whether load_model(spec, quantization=quantization) keeps linear layers in int4/int8:
     int4 and int8 always; auto where the file holds them (GGUF integer types, GPTQ, AWQ). Read
     from the file's header, before loading; a file load_model would refuse counts as False
-    (load_model then says why)."""
+    (load_model then says why), as does no model (spec None: EAGLE or Medusa heads, which
+    only int4/int8 quantize)."""
     if quantization in ("int4", "int8"):
         return True
-    if quantization != "auto":
+    if quantization != "auto" or not spec:
         return False
     try:
         source = resolve_model(spec)

@@ -307,6 +307,9 @@ def test_auto_dtype_on_a_cpu_follows_its_math_and_the_linear_layers(monkeypatch,
     assert settings.resolved_dtype(torch.device("cuda")) == "bfloat16"
     draft = engine_config.EngineConfig(draft_model="smollm2-135m", draft_quantization=quantization)
     assert draft.resolved_draft_dtype(CPU, torch.device("cuda"), "bfloat16") == expected
+    heads = engine_config.EngineConfig(draft_quantization=quantization)  # EAGLE/Medusa heads: no draft model
+    assert heads.resolved_draft_dtype(CPU, torch.device("cuda"), "bfloat16") == (
+        "bfloat16" if bf16_math or (isa != "portable" and quantization in ("int4", "int8")) else "float32")
 
 
 @pytest.mark.parametrize("quantization_config, expected", [
