@@ -193,10 +193,9 @@ def cpu_dtype(model: str, quantization: str) -> str:
     (quant_linear.DequantizedLinear: 4 to 8 times the bytes a step reads), so bfloat16 there."""
     if cpu_has_bf16_math():
         return "bfloat16"
-    from runtime.models.cpu_kernels import cpu_kernels_available, kernel_isa
+    from runtime.models.cpu_kernels import has_vector_kernel
     from runtime.models.loader import keeps_quantized_linears
-    int8_kernel = cpu_kernels_available() and kernel_isa() != "portable"
-    return "bfloat16" if int8_kernel and keeps_quantized_linears(model, quantization) else "float32"
+    return "bfloat16" if has_vector_kernel() and keeps_quantized_linears(model, quantization) else "float32"
 
 
 def with_index(device: torch.device) -> torch.device:

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     if set(default_rows) == {None}:
         raise SystemExit("no layer runs heterospec_cpu.quant_linear here (the kernel did not build, or no bf16 "
                          "int4/int8 layers)")
-    with mock.patch.object(quant_linear, "cpu_kernels_available", lambda: False):
+    with mock.patch.object(quant_linear, "has_vector_kernel", lambda: False):
         pytorch_model = load_model(args.model, "bfloat16", torch.device("cpu"), "auto")[0]
     log(f"{len(layers)} quantized layers; dequantizing to bf16 for the bf16 path ...")
     with torch.inference_mode():

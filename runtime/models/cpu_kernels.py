@@ -111,5 +111,11 @@ def kernel_isa() -> str:
     return ISAS[torch.ops.heterospec_cpu.best_isa()]
 
 
+def has_vector_kernel() -> bool:
+    """Whether quant_linear is here with vector code (AVX2 or better): where the layers take it.
+    Its portable code is the tests' reference, slower than PyTorch's own kernels."""
+    return cpu_kernels_available() and kernel_isa() != "portable"
+
+
 def _rows_by_outputs(x, q, scales, *args):
     return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[2])  # [M, N]

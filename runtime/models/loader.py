@@ -170,7 +170,7 @@ def keeps_quantized_linears(spec: str | None, quantization: str) -> bool:
         if source.kind == "hf_dir":
             qc = json.loads((source.path / "config.json").read_text()).get("quantization_config") or {}
             return qc.get("quant_method") in ("gptq", "awq")
-        return any(gguf_precision_bits(t.tensor_type.name) is not None for t in GGUFFile(source.path).tensors
+        return any(gguf_linear_bits(t, quantization) is not None for t in GGUFFile(source.path).tensors
                    if is_linear_weight(gguf_hf_name(t.name)))
     except (OSError, ValueError):
         return False

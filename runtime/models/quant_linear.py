@@ -41,7 +41,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from runtime.models.cpu_kernels import cpu_kernels_available, kernel_isa
+from runtime.models.cpu_kernels import has_vector_kernel, kernel_isa
 from runtime.models.packed_linear import PackedLinear, can_prepack
 from runtime.models.quantized_weight import QuantizedWeight, relative_rms_error, sample_rows
 from runtime.platform import amx_available
@@ -110,8 +110,7 @@ def can_use_blocked(weight: QuantizedWeight, device: torch.device, dtype: torch.
     in_half_range = all(t is None or t.abs().max().item() < torch.finfo(torch.float16).max
                         for t in (weight.scales, weight.offsets))
     return (device.type == "cpu" and dtype == torch.bfloat16 and n % BLOCK == 0 and k % 32 == 0
-            and weight.group_size % 32 == 0 and in_half_range and cpu_kernels_available()
-            and kernel_isa() != "portable")  # the portable code is there for tests: slower than PyTorch's
+            and weight.group_size % 32 == 0 and in_half_range and has_vector_kernel())
 
 
 class QuantizedLinear(nn.Module):

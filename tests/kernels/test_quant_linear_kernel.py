@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from runtime.models import quant_linear
-from runtime.models.cpu_kernels import DISABLE_ENV, ISAS, cpu_kernels_available, kernel_isa
+from runtime.models.cpu_kernels import DISABLE_ENV, ISAS, cpu_kernels_available, has_vector_kernel
 from runtime.models.quant_linear import (MANY_ROWS_AMX, NO_GEMM, Int4Linear, Int8Linear, blocked_layout,
                                          linear_kernels)
 from runtime.models.quantized_weight import QuantizedWeight, gguf_int4_exact, quantize_int4, quantize_int8
@@ -42,7 +42,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernel did not build here")
 # the layers take the kernel only where it has vector code (AVX2 or better): elsewhere PyTorch's
-needs_layers_on_kernel = pytest.mark.skipif(not cpu_kernels_available() or kernel_isa() == "portable",
+needs_layers_on_kernel = pytest.mark.skipif(not has_vector_kernel(),
                                             reason="the CPU kernel has no vector code here: layers keep PyTorch's")
 
 
@@ -218,7 +218,7 @@ def test_compiled_layer_compiles_once_over_row_counts():
 
 
 def test_without_the_kernel_layers_keep_pytorchs_kernels(monkeypatch):
-    monkeypatch.setattr(quant_linear, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(quant_linear, "has_vector_kernel", lambda: False)
     int4, int8 = layer(4, "auto"), layer(8, "auto")
     assert int4.many_rows is None and int8.many_rows is None
     assert "heterospec" not in linear_kernels(torch.nn.Sequential(int4, int8))

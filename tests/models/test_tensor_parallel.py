@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runtime.models.config import ModelConfig
-from runtime.models.cpu_kernels import cpu_kernels_available
+from runtime.models.cpu_kernels import cpu_kernels_available, has_vector_kernel
 from runtime.models.decoder import DecoderModel
 from runtime.models.quant_linear import NO_GEMM, DequantizedLinear, Int4Linear, Int8Linear, make_linear
 from runtime.models.quantized_weight import quantize_int4, quantize_int8
@@ -125,7 +125,7 @@ def split_layers(with_bias: bool = True) -> dict:
     int4, int8 = quantize_int4(w, "x"), quantize_int8(w, "x")
     layers = {"int8 row-major": Int8Linear(int8, bias, torch.bfloat16, CPU, many_rows=None),
               "int4 float32": DequantizedLinear(int4, bias, torch.float32, CPU)}
-    if cpu_kernels_available():
+    if has_vector_kernel():  # where the layers take the blocked kernel
         layers["int4 blocked"] = Int4Linear(int4, bias, torch.bfloat16, CPU, many_rows=NO_GEMM)
         layers["int4 blocked, bf16 GEMM"] = Int4Linear(int4, bias, torch.bfloat16, CPU, many_rows=0)
         layers["int8 blocked"] = Int8Linear(int8, bias, torch.bfloat16, CPU, many_rows=NO_GEMM)
