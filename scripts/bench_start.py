@@ -7,6 +7,8 @@ all alike):
   - ours: `LLM(model=M)` with the defaults (the compiled decode step; Inductor's cache warm
     after the first round, which the table leaves out), then one greedy token;
   - ours, eager: the same with enforce_eager=True (no compile);
+  - with --first-compile, once before the rounds: ours with an empty Inductor cache (a
+    fresh TORCHINDUCTOR_CACHE_DIR), what a machine's first start costs;
   - HF transformers: `from_pretrained(dir, gguf_file=...)` (which dequantizes the file to
     float32), then one greedy token.
 Our rows also split the time: importing, loading the model (runtime.models.loader), and
@@ -14,6 +16,7 @@ building the engine (KV cache, the compile).
 
     python -m scripts.bench_start                                   # the default model
     python -m scripts.bench_start --model models/qwen2.5-coder-1.5b-instruct.gguf --rounds 2
+    python -m scripts.bench_start --first-compile --skip-hf
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,12 +80,12 @@ def wall(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
-def threads_env(threads: int) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+def threads_env(threads: int, **extra: str) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), **extra}
 
 
-def run_ours(model: str, mode: str, threads: int) -> dict:
-    seconds, out = wall([sys.executable, "-c", OURS, model, mode], threads_env(threads))
+def run_ours(model: str, mode: str, threads: int, **env: str) -> dict:
+    seconds, out = wall([sys.executable, "-c", OURS, model, mode], threads_env(threads, **env))
     return {"wall_s": seconds, **json.loads(out.strip().splitlines()[-1])}
 
 
@@ -92,6 +96,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, after one untimed warm-up round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true", help="leave HF transformers out")
+    parser.add_argument("--first-compile", action="store_true",
+                        help="also time one start with an empty Inductor cache (minutes on a small machine)")
     parser.add_argument("--llama-cpp-bin", type=Path, default=DEFAULT_BIN)
     add_results_args(parser, "bench_start")
     args = parser.parse_args(argv)
@@ -101,6 +107,11 @@ def main(argv=None) -> None:
     for model in args.model or ["smollm2-135m"]:
         path = gguf_path(model)
         times: dict[str, list] = {"llama.cpp": [], "ours": [], "ours, eager": [], "HF transformers": []}
+        first = []
+        if args.first_compile:
+            with tempfile.TemporaryDirectory(prefix="inductor-") as empty:
+                first.append(run_ours(model, "compiled", args.threads, TORCHINDUCTOR_CACHE_DIR=empty))
+            log(f"{path.name}: ours with an empty Inductor cache {fmt(first[0]['wall_s'])} s")
         for rnd in range(args.rounds + 1):  # round 0 warms the page cache and Inductor's cache
             if (args.llama_cpp_bin / "llama-bench").is_file():
                 times["llama.cpp"].append(wall([str(args.llama_cpp_bin / "llama-bench"), "-m", str(path), "-p", "0",
@@ -112,7 +123,7 @@ def main(argv=None) -> None:
             log(f"{path.name} round {rnd}/{args.rounds}: " + ", ".join(
                 f"{name} {fmt(t[-1]['wall_s'] if isinstance(t[-1], dict) else t[-1])} s"
                 for name, t in times.items() if t))
-        timed = {name: t[1:] for name, t in times.items()}
+        timed = {name: t[1:] for name, t in times.items()} | ({"ours, empty Inductor cache": first} if first else {})
         report.data[path.name] = timed
         llama = median(timed["llama.cpp"])
         for name, runs in timed.items():
@@ -132,6 +143,9 @@ def main(argv=None) -> None:
                 f"token); HF transformers: from_pretrained(gguf_file=...) in float32, then one token")
     report.line("- ours: LLM(model) then one greedy token; the columns split our seconds (the rest is the "
                 "interpreter's start and shutdown)")
+    if args.first_compile:
+        report.line("- ours, empty Inductor cache: one run before the rounds, with a fresh TORCHINDUCTOR_CACHE_DIR "
+                    "(the quantized-linear kernel's own build cache stays warm)")
     report.write()
 
 

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word nibble i holds output AWQ_ORDER[i] of its eight
 KERNEL_GROUPS = (256, 128, 64, 32)
-SUPPORTED_METHODS = ("gptq", "awq", "fp8")
+INT4_METHODS = ("gptq", "awq")  # loaded as int4 weight-only; fp8 is upcast on the CPU
+SUPPORTED_METHODS = (*INT4_METHODS, "fp8")
 
 
 def check_quantization_config(qc: dict) -> None:
@@ -36,7 +37,7 @@ def check_quantization_config(qc: dict) -> None:
     if method not in SUPPORTED_METHODS:
         raise UnsupportedQuantizationError(f"quantization_config with quant_method {method!r} is not supported "
                                            f"(supported: {', '.join(SUPPORTED_METHODS)})")
-    if method in ("gptq", "awq") and qc.get("bits", 4) != 4:
+    if method in INT4_METHODS and qc.get("bits", 4) != 4:
         raise UnsupportedQuantizationError(f"{method} with {qc.get('bits')} bits is not supported (4 bits only)")
     if method == "gptq" and qc.get("desc_act"):
         raise UnsupportedQuantizationError("gptq with desc_act (act-order) is not supported")

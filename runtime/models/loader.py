@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from runtime.models.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from runtime.models.decoder import DecoderModel  # noqa: E402
 from runtime.models.gguf_file import GGUFFile  # noqa: E402
-from runtime.models.hf_quantized import check_quantization_config, hf_quantized_weights  # noqa: E402
+from runtime.models.hf_quantized import INT4_METHODS, check_quantization_config, hf_quantized_weights  # noqa: E402
 from runtime.models.quantized_weight import (  # noqa: E402
     QuantizedWeight, UnsupportedQuantizationError, gguf_dequantize, gguf_precision_bits, gguf_quantized, quantize_int4,
     quantize_int8)
@@ -169,7 +169,7 @@ def keeps_quantized_linears(spec: str | None, quantization: str) -> bool:
         source = resolve_model(spec)
         if source.kind == "hf_dir":
             qc = json.loads((source.path / "config.json").read_text()).get("quantization_config") or {}
-            return qc.get("quant_method") in ("gptq", "awq")
+            return qc.get("quant_method") in INT4_METHODS
         return any(gguf_linear_bits(t, quantization) is not None for t in GGUFFile(source.path).tensors
                    if is_linear_weight(gguf_hf_name(t.name)))
     except (OSError, ValueError):
