@@ -87,8 +87,8 @@ def compiled_decode_step(cpp_wrapper: bool):
     model with oneDNN-prepacked weights (PackedLinear: opaque tensors, which the C++ wrapper
     cannot pass to an op) keeps the Python wrapper. The C++ wrapper is built apart from the
     kernels (cpp_wrapper_build_separate): the kernels at -O3, the wrapper, one long function
-    of calls, at -O1. Built whole at -O3, the default model's wrapper alone took 113 s of g++
-    a graph on a 2-core Zen 3, at -O1 14 s, and a step ran as fast.
+    of calls, at -O1: at -O3 that function was most of a first compile's g++ time, and
+    -O1 runs the step as fast.
     The model's structure key stands in for Dynamo's guards on the model (step_guards).
     Made on first use: torch.compile imports Dynamo (and Triton, where installed)."""
     define_each_cpp_kernel_once()

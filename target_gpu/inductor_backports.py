@@ -5,18 +5,19 @@ change it backports. Nothing here changes what a graph computes.
 
 - One definition per distinct CPU kernel (pytorch/pytorch#158404, in torch 2.9). A decoder's
   layers lower to the same few fused C++ kernels, layer after layer. torch 2.8 named and
-  defined each occurrence anew: with the C++ wrapper, the default model's step was 122
-  kernel definitions where 12 differ, all built at -O3 in one file. Newer torch defines a
-  kernel once per distinct source and calls it by that name wherever it recurs.
+  defined each occurrence anew, so g++ built every layer's copies at -O3. Newer torch
+  defines a kernel once per distinct source and calls it by that name wherever it recurs.
 """
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch.torch_version import TorchVersion
 
 _applied: set[str] = set()
+_lock = threading.Lock()  # engines build their steps on several threads (the draft worker's, the server's)
 
 
 def needs_kernel_dedup(version: str = torch.__version__) -> bool:
@@ -27,8 +28,13 @@ def needs_kernel_dedup(version: str = torch.__version__) -> bool:
 def define_each_cpp_kernel_once() -> None:
     """Make CppScheduling.define_kernel reuse the name of a kernel whose source the graph's
     wrapper has already defined, as torch >= 2.9 does (no-op there)."""
-    if not needs_kernel_dedup() or "cpp_kernel_dedup" in _applied:
-        return
+    with _lock:
+        if needs_kernel_dedup() and "cpp_kernel_dedup" not in _applied:
+            _patch_define_kernel()
+            _applied.add("cpp_kernel_dedup")
+
+
+def _patch_define_kernel() -> None:
     from torch._inductor.codegen.cpp import CppScheduling
     from torch._inductor.virtualized import V
 
@@ -42,4 +48,3 @@ def define_each_cpp_kernel_once() -> None:
         return defined[src_code]
 
     CppScheduling.define_kernel = define_kernel
-    _applied.add("cpp_kernel_dedup")
