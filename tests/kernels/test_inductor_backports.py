@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
+from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from target_gpu.inductor_backports import define_each_cpp_kernel_once, needs_kernel_dedup
 
@@ -30,10 +30,10 @@ def test_a_recurring_kernel_is_defined_once(cpp_wrapper):
     define_each_cpp_kernel_once()
     torch._dynamo.reset()
     compiled = torch.compile(two_layers, fullgraph=True,
-                             options={"cpp_wrapper": cpp_wrapper, "cpp_wrapper_build_separate": cpp_wrapper,
-                                      "force_disable_caches": True})  # the code generated now, not a cached one
+                             options={"cpp_wrapper": cpp_wrapper, "cpp_wrapper_build_separate": cpp_wrapper})
     x, w = torch.randn(8, 8), torch.randn(8, 8)
-    out, sources = run_and_get_code(compiled, x, w)
+    with fresh_cache():  # the code generated now, not a cached one
+        out, sources = run_and_get_code(compiled, x, w)
     code = "\n".join(sources)
     # a kernel's definition: its C++ signature followed by its body
     defined = set(re.findall(r"void\s+(?:kernel|cpp_fused_\w+)\([^)]*\)\s*\{", code))
