@@ -39,10 +39,11 @@ class OutputProcessor:
         delta_text = ""
         reason = None
         for token in token_ids:
+            if seq.constraint is not None and not seq.constraint.accept(token):
+                reason = "length"  # a dead end of the grammar: the output stops short of complete
+                break
             seq.append_token(token)
             appended.append(token)
-            if seq.constraint is not None:
-                seq.constraint.accept(token)
             delta = self.detokenizer.delta(seq.output_token_ids, state.detok)
             seq.output_text += delta
             if delta and params.stop:

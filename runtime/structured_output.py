@@ -121,10 +121,11 @@ class Constraint:
         """An independent copy of the state (xgrammar's fork)."""
         return Constraint(self.matcher.fork(), self.vocab_size, self.encode)
 
-    def accept(self, token_id: int) -> None:
-        """Advance by a committed token (one the masks allowed)."""
-        if not self.matcher.accept_token(token_id):
-            raise RuntimeError(f"token {token_id} broke the request's grammar")
+    def accept(self, token_id: int) -> bool:
+        """Advance by a committed token; False, with the state unchanged, where the grammar
+        has no place for it: the masks allowed no token at all (no token of the vocabulary
+        continues the grammar), so the sampler's pick is not one the grammar takes."""
+        return self.matcher.accept_token(token_id)
 
     def prune(self, tree: DraftTree) -> DraftTree:
         """tree without the nodes the grammar forbids after their path, nor their subtrees."""
