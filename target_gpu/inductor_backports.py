@@ -16,8 +16,8 @@ import threading
 import torch
 from torch.torch_version import TorchVersion
 
-_applied: set[str] = set()
 _lock = threading.Lock()  # engines build their steps on several threads (the draft worker's, the server's)
+_kernel_dedup_applied = False
 
 
 def needs_kernel_dedup(version: str = torch.__version__) -> bool:
@@ -28,10 +28,11 @@ def needs_kernel_dedup(version: str = torch.__version__) -> bool:
 def define_each_cpp_kernel_once() -> None:
     """Make CppScheduling.define_kernel reuse the name of a kernel whose source the graph's
     wrapper has already defined, as torch >= 2.9 does (no-op there)."""
+    global _kernel_dedup_applied
     with _lock:
-        if needs_kernel_dedup() and "cpp_kernel_dedup" not in _applied:
+        if needs_kernel_dedup() and not _kernel_dedup_applied:
             _patch_define_kernel()
-            _applied.add("cpp_kernel_dedup")
+            _kernel_dedup_applied = True
 
 
 def _patch_define_kernel() -> None:
