@@ -6,11 +6,11 @@
 """
 from runtime.sampling_params import GuidedSpec, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "GuidedSpec", "GenerationResult"]
+__all__ = ["LLM", "SamplingParams", "GuidedSpec", "GenerationResult", "Completion"]
 
 
 def __getattr__(name):  # keep `import runtime` light: torch/transformers load on first use
-    if name in ("LLM", "GenerationResult"):
+    if name in ("LLM", "GenerationResult", "Completion"):
         from runtime import llm
         return getattr(llm, name)
     raise AttributeError(name)

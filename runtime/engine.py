@@ -14,6 +14,7 @@ step). Not thread-safe: the server drives it from one loop thread.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -80,7 +81,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
-        self._next_id = 0
+        self._request_ids = itertools.count()
         self.target_info = TargetInfo(self.model_config.vocab_size, self.tokenizer, self.device, self.dtype,
                                       self.kv_capacity_tokens, config.max_num_seqs, config.seed, self.model)
         self.pool = ProposerPool(config, self.target_info, self.runner)
@@ -153,9 +154,9 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.prompt_token_ids(prompt)
         self.check_params(params)
-        if request_id is None:
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
+        if params.n != 1:  # as LLM.generate and the server do
+            raise ValueError(f"n={params.n}: an engine request is one completion; add one for each of params.choices()")
+        request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, tuple(self.model_config.eos_token_ids),
@@ -263,8 +264,7 @@ class LLMEngine:
         return outputs
 
     def _accept_path(self, seq: Sequence, tree, verdict: Verdict, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Queue the KV moves that put the accepted nodes at consecutive positions after the
-        root, and count the verification."""
+        """Queue the KV moves that put the accepted nodes right after the root; count the verification."""
         root = seq.num_computed_tokens - 1  # the root's position; node i was written at root + 1 + i
         for depth, node in enumerate(verdict.accepted_nodes, start=1):
             if node != depth - 1:

@@ -10,16 +10,18 @@ Each input line is a JSON object with either
 and optionally "tools" beside "messages" (rendered by the chat template), any of
 SamplingParams' fields ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "speculator",
-"num_speculative_tokens"), which override the command-line flags for that line, and one of
+"num_speculative_tokens", "n"), which override the command-line flags for that line, and one of
 "guided_json" (a JSON schema), "guided_regex", "guided_choice" (a list of strings) and
 "guided_grammar" (EBNF), which hold the output to it (runtime.structured_output). The
-server's other request fields ("n", "response_format", "presence_penalty", "model", ...)
+server's other request fields ("response_format", "presence_penalty", "model", ...)
 make the line skipped, never silently ignored. Every other key (an "id", say) is
 copied to the output line, which adds
     "text", "token_ids", "finish_reason" ("stop" | "length"),
     "metrics": {"ttft_s", "tpot_s", "e2e_s", "num_tokens", ...} (runtime.sequence.RequestMetrics),
     and, when the line asks for "logprobs": k, "logprobs": per output token
-    {"token_id", "logprob", "top": [[token id, logprob], ...k most likely]}.
+    {"token_id", "logprob", "top": [[token id, logprob], ...k most likely]};
+a line that sets "n" (completions sampled for its prompt; completion i of a seeded line
+is seeded seed + i) gets instead "outputs": a list of n objects with those keys.
 
 Outputs are written in input order. The file is generated in batches of --batch-size
 prompts, and each batch's results are flushed before the next batch is read, so a run
@@ -27,7 +29,7 @@ that fails or is interrupted keeps everything it finished.
 
 A line that cannot be generated (invalid JSON or UTF-8, not an object, neither or both of
 "prompt" and "messages", an invalid sampling value, a key the output uses ("text",
-"token_ids", "finish_reason", "metrics"), an empty prompt or one too long for the
+"token_ids", "finish_reason", "metrics", "outputs"), an empty prompt or one too long for the
 model's context) is skipped: it gets no output line, it is reported on stderr as
 `INPUT:LINE: skipped: REASON`, and the run goes on with the rest. Blank lines are ignored.
 
@@ -59,10 +61,10 @@ if TYPE_CHECKING:
 
 # Keys an input line may use to set its own sampling; they override the flags.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                 "include_stop_str_in_output", "logprobs", "speculator", "num_speculative_tokens")
+                 "include_stop_str_in_output", "logprobs", "speculator", "num_speculative_tokens", "n")
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # one, at most
 PROMPT_KEYS = ("prompt", "messages")
-OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics")
+OUTPUT_KEYS = ("text", "token_ids", "finish_reason", "metrics", "outputs")
 # the server's request fields (runtime.openai_protocol) that a line does not take: a line with one is
 # skipped rather than run without it ("user", which changes no output, is carried like any other key)
 UNSUPPORTED_KEYS = tuple(sorted({*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
@@ -77,14 +79,15 @@ input lines:  {"prompt": "..."} or {"messages": [{"role": "user", "content": "..
               optionally with tools (beside messages), SamplingParams' fields
               (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
               ignore_eos, include_stop_str_in_output, logprobs, speculator,
-              num_speculative_tokens: they override the flags), and one of guided_json,
+              num_speculative_tokens, n: they override the flags), and one of guided_json,
               guided_regex, guided_choice, guided_grammar; other keys (e.g. "id") are
-              copied to the output, but for the server's other request fields (n,
-              response_format, ...), which skip the line, and for near misses of the
+              copied to the output, but for the server's other request fields
+              (response_format, ...), which skip the line, and for near misses of the
               keys above ("max_token"), which skip it as typos.
 output lines: the copied keys plus text, token_ids, finish_reason and metrics
               (ttft_s, tpot_s, e2e_s, num_tokens, ...), and logprobs when asked for,
-              in input order.
+              in input order; a line that sets n gets "outputs", a list of n such
+              completions, instead.
 bad lines:    invalid JSON, neither "prompt" nor "messages", invalid sampling values,
               output keys in the input, prompts too long for the context: each is
               reported on stderr as INPUT:LINE: skipped: REASON, gets no output line,
@@ -103,6 +106,7 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     carried: dict  # input keys copied to the output line
+    lists_outputs: bool = False  # the line set "n": its completions go in a list, "outputs"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,12 +217,20 @@ def _load(args) -> LLM:
 
 
 def output_record(job: Job, result) -> dict:
-    """An output line: the input's carried keys, then the result (runtime.llm.GenerationResult)."""
-    record = {**job.carried, "text": result.text, "token_ids": result.token_ids,
-              "finish_reason": result.finish_reason, "metrics": result.metrics.as_dict()}
-    if result.logprobs is not None:
+    """An output line: the input's carried keys, then the result (runtime.llm.GenerationResult):
+    its completion's fields, or, when the line set "n", "outputs": a list of them."""
+    if job.lists_outputs:
+        return {**job.carried, "outputs": [completion_record(c) for c in result.outputs]}
+    return {**job.carried, **completion_record(result.outputs[0])}
+
+
+def completion_record(completion) -> dict:
+    """text, token_ids, finish_reason, metrics and (when asked for) logprobs of a runtime.llm.Completion."""
+    record = {"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+              "metrics": completion.metrics.as_dict()}
+    if completion.logprobs is not None:
         record["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(pair) for pair in t.top]}
-                              for t in result.logprobs]
+                              for t in completion.logprobs]
     return record
 
 
@@ -318,7 +330,7 @@ def parse_line(raw: bytes, llm: LLM, defaults: SamplingParams) -> Job:
     except (TypeError, ValueError) as e:
         raise LineError(str(e)) from None
     carried = {k: v for k, v in record.items() if k not in (*PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS, "tools")}
-    return Job(token_ids, params, carried)
+    return Job(token_ids, params, carried, lists_outputs="n" in record)
 
 
 def _check_spelling(record: dict) -> None:

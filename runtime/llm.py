@@ -1,6 +1,7 @@
 """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
@@ -10,20 +11,50 @@ from tqdm import tqdm
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, Prompt
 from runtime.logprobs import TokenLogprobs
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import RequestMetrics
 
 
 @dataclass(slots=True)
-class GenerationResult:
-    prompt: Prompt
-    prompt_token_ids: list[int]
+class Completion:
+    """One sampled completion of a prompt."""
+    index: int  # 0 .. n - 1 (SamplingParams.n)
     text: str
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics  # .ttft_s .tpot_s .e2e_s .num_tokens
     # per output token (SamplingParams.logprobs set): .token_id .logprob .top [(token id, logprob), ...]
     logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A prompt's completions: `outputs`, n of them (SamplingParams.n). `text`, `token_ids`,
+    `finish_reason`, `metrics` and `logprobs` are the first completion's, the only one when n == 1."""
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
 
 
 @dataclass(slots=True)
@@ -44,14 +75,15 @@ class RunSummary:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @classmethod
-    def of(cls, results: list["GenerationResult"], elapsed_s: float) -> "RunSummary":
-        return cls(len(results), sum(len(r.token_ids) for r in results), elapsed_s,
-                   _mean(r.metrics.ttft_s for r in results), _mean(r.metrics.tpot_s for r in results),
-                   sum(r.metrics.num_draft_tokens for r in results),
-                   sum(r.metrics.num_accepted_tokens for r in results),
-                   sum(r.metrics.num_verify_steps for r in results),
-                   sum(r.metrics.num_prompt_tokens for r in results),
-                   sum(r.metrics.num_cached_tokens for r in results))
+    def of(cls, results: list[GenerationResult], elapsed_s: float) -> RunSummary:
+        """num_requests counts prompts; the rest sums or averages over every completion."""
+        completions = [c for r in results for c in r.outputs]
+        metrics = [c.metrics for c in completions]
+        return cls(len(results), sum(len(c.token_ids) for c in completions), elapsed_s,
+                   _mean(m.ttft_s for m in metrics), _mean(m.tpot_s for m in metrics),
+                   sum(m.num_draft_tokens for m in metrics), sum(m.num_accepted_tokens for m in metrics),
+                   sum(m.num_verify_steps for m in metrics), sum(m.num_prompt_tokens for m in metrics),
+                   sum(m.num_cached_tokens for m in metrics))
 
     def __str__(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x * 1000:.1f} ms"  # noqa: E731
@@ -99,8 +131,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
-        """One result per prompt, in order. All prompts are validated before any runs: on a
-        ValueError, nothing is left queued."""
+        """One result per prompt, in order, holding its SamplingParams.n completions. All
+        prompts are validated before any runs: on a ValueError, nothing is left queued."""
         one_chat = isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) \
             and "messages" not in prompts[0]  # chat messages, not a list of prompts
         if isinstance(prompts, (str, dict)) or one_chat:
@@ -115,17 +147,31 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
         token_ids = [engine.prompt_token_ids(p) for p in prompts]  # fail before scheduling anything
-        ids = []
+        choices = [sp.choices() for sp in sampling_params]
+        ids: list[list[str]] = []  # the engine's request ids, per prompt, per choice
         try:
-            for t, sp in zip(token_ids, sampling_params):
-                ids.append(engine.add_request(t, sp))
+            for t, prompt_choices in zip(token_ids, choices):
+                ids.append([])
+                for choice in prompt_choices:
+                    ids[-1].append(engine.add_request(t, choice))
         except BaseException:
-            for rid in ids:
+            for rid in itertools.chain.from_iterable(ids):
                 engine.abort(rid)
             raise
-        finished = {}
         start = time.perf_counter()
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        finished = self._run(list(itertools.chain.from_iterable(ids)), use_tqdm)
+        elapsed = time.perf_counter() - start
+        results = [GenerationResult(p, t, [_completion(i, finished[r]) for i, r in enumerate(prompt_ids)])
+                   for p, t, prompt_ids in zip(prompts, token_ids, ids)]
+        self.last_summary = RunSummary.of(results, elapsed)
+        return results
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step the engine until it has nothing left to do: request id -> its last output. On
+        an error or interrupt, the unfinished of request_ids are aborted (their blocks come back)."""
+        engine = self.engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished:
                     for out in engine.step():
@@ -133,13 +179,12 @@ class LLM:
                             finished[out.request_id] = out
                             bar.update(1)
             except BaseException:
-                for rid in ids:
+                for rid in request_ids:
                     if rid not in finished:
                         engine.abort(rid)
                 raise
-        elapsed = time.perf_counter() - start
-        results = [GenerationResult(p, finished[r].prompt_token_ids, finished[r].text, finished[r].token_ids,
-                                    finished[r].finish_reason, finished[r].metrics, finished[r].logprobs)
-                   for p, r in zip(prompts, ids)]
-        self.last_summary = RunSummary.of(results, elapsed)
-        return results
+        return finished
+
+
+def _completion(index: int, out: RequestOutput) -> Completion:
+    return Completion(index, out.text, out.token_ids, out.finish_reason, out.metrics, out.logprobs)

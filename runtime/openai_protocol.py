@@ -166,19 +166,18 @@ class GenerationRequest(BaseModel):
                                name)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
-        """One SamplingParams per choice (choice i of a seeded request is seeded seed + i)."""
+        """One SamplingParams per choice (SamplingParams.choices: choice i of a seeded request has seed + i)."""
         max_tokens = self._max_tokens(num_prompt_tokens, max_model_len)
         speculator, num_speculative_tokens = self._speculation()
         guided = self.guided()
         try:
-            return [SamplingParams(
+            return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                seed=None if self.seed is None else self.seed + i, stop=self.stop or [],
-                stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
-                speculator=speculator, num_speculative_tokens=num_speculative_tokens, guided=guided)
-                for i in range(self.num_choices)]
+                speculator=speculator, num_speculative_tokens=num_speculative_tokens, guided=guided,
+                n=self.num_choices).choices()
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise ApiError(str(e), str(e).split()[0]) from None
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -60,6 +60,8 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     # the output held to a JSON schema, a regex, choices or a grammar (runtime.structured_output); None = free
     guided: GuidedSpec | None = None
+    # completions sampled for the prompt; each is one engine request (choices())
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +73,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -102,6 +106,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def choices(self) -> list[SamplingParams]:
+        """The n completions' own params (n == 1 each). Completion i of a seeded request is
+        seeded seed + i: each is reproducible alone, and they differ from one another."""
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
 
 def _is_int(value) -> bool:

@@ -137,6 +137,40 @@ def test_llm_generate_returns_logprobs_when_asked(llm):
         assert len(entry.top) == 3 and entry.top[0] == (entry.token_id, entry.logprob) and entry.logprob <= 0
 
 
+def test_n_completions_are_the_requests_seeded_seed_plus_i(llm):
+    """SamplingParams(n=3, seed=s): completion i is what one request seeded s + i samples
+    (the reference: three plain requests); the summary counts every completion's tokens,
+    and every KV block comes back."""
+    free_blocks = llm.engine.block_manager.num_free_blocks
+    many, other = llm.generate(["Once upon a time", "Hi"], [SamplingParams(max_tokens=8, n=3, seed=5),
+                                                            SamplingParams(max_tokens=4)], use_tqdm=False)
+    one_by_one = llm.generate(["Once upon a time"] * 3, [SamplingParams(max_tokens=8, seed=5 + i) for i in range(3)],
+                              use_tqdm=False)
+    assert [c.index for c in many.outputs] == [0, 1, 2] and len(other.outputs) == 1
+    assert [c.token_ids for c in many.outputs] == [r.token_ids for r in one_by_one]
+    assert [c.text for c in many.outputs] == [r.text for r in one_by_one]
+    assert len({tuple(c.token_ids) for c in many.outputs}) > 1  # the seeds differ, and so do the samples
+    assert many.text == many.outputs[0].text and many.metrics is many.outputs[0].metrics
+    generated = llm.generate(["Once upon a time", "Hi"], [SamplingParams(max_tokens=8, n=3, seed=5),
+                                                          SamplingParams(max_tokens=4)], use_tqdm=False)
+    assert llm.last_summary.num_requests == 2
+    assert llm.last_summary.num_output_tokens == sum(len(c.token_ids) for r in generated for c in r.outputs)
+    assert llm.engine.block_manager.num_free_blocks == free_blocks and not llm.engine.requests
+
+
+def test_n_is_checked_before_anything_runs_and_the_engine_takes_one_completion_a_request(llm):
+    for bad in [0, -1, 1.5, True, "2"]:
+        with pytest.raises(ValueError, match="n must be an integer >= 1"):
+            SamplingParams(n=bad)
+    with pytest.raises(ValueError, match="seed"):  # choice 1 would be seeded past a torch.Generator's range
+        llm.generate(["A", "B"], [SamplingParams(max_tokens=2), SamplingParams(n=2, seed=2**64 - 1)], use_tqdm=False)
+    assert not llm.engine.has_unfinished and not llm.engine.requests
+    with pytest.raises(ValueError, match="one completion"):
+        llm.engine.add_request("Hi", SamplingParams(n=2))
+    assert [p.seed for p in SamplingParams(n=3, seed=7).choices()] == [7, 8, 9]
+    assert [(p.n, p.seed) for p in SamplingParams(n=2).choices()] == [(1, None), (1, None)]
+
+
 def test_missing_input_exits_2(tmp_path, capsys, llm):
     code = main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "out.jsonl")], llm=llm)
     err = capsys.readouterr().err
@@ -179,30 +213,36 @@ def test_lines_may_hold_their_output_to_a_constraint(llm, tmp_path):
 
 
 def test_lines_take_sampling_params_fields_and_tools_and_refuse_unimplemented_openai_fields(llm, tmp_path):
-    """logprobs, ignore_eos and tools beside messages act as LLM.generate's; n and
-    response_format are refused by line, not silently ignored."""
+    """logprobs, ignore_eos, n and tools beside messages act as LLM.generate's (a line
+    with n lists its completions in "outputs"); response_format is refused by line, not
+    silently ignored."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     src, dst = tmp_path / "lines.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps(line) for line in [
         {"id": 1, "prompt": "The quick brown fox", "logprobs": 2, "ignore_eos": True},
         {"id": 2, "messages": MESSAGES, "tools": tools},
-        {"id": 3, "prompt": "Hi", "n": 2},
+        {"id": 3, "prompt": "Hi", "n": 2, "temperature": 1.0, "seed": 11},
         {"id": 4, "prompt": "Hi", "response_format": {"type": "json_object"}},
         {"id": 5, "prompt": "Hi", "tools": tools}]) + "\n")
     with contextlib.redirect_stderr(io.StringIO()) as stderr:
         code = main(["--input", str(src), "--output", str(dst), "--max-tokens", "6", "--temperature", "0",
                      *ENGINE_ARGS], llm=llm)
-    first, second = [json.loads(line) for line in dst.read_text().splitlines()]
-    expected = llm.generate(["The quick brown fox", {"messages": MESSAGES, "tools": tools}],
+    first, second, third = [json.loads(line) for line in dst.read_text().splitlines()]
+    expected = llm.generate(["The quick brown fox", {"messages": MESSAGES, "tools": tools}, "Hi", "Hi"],
                             [SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
-                             SamplingParams(max_tokens=6, temperature=0)], use_tqdm=False)
-    assert code == 1 and [first["token_ids"], second["token_ids"]] == [r.token_ids for r in expected]
+                             SamplingParams(max_tokens=6, temperature=0), SamplingParams(max_tokens=6, seed=11),
+                             SamplingParams(max_tokens=6, seed=12)], use_tqdm=False)
+    assert code == 1 and [first["token_ids"], second["token_ids"]] == [r.token_ids for r in expected[:2]]
+    assert set(third) == {"id", "outputs"} and [o["token_ids"] for o in third["outputs"]] == \
+        [r.token_ids for r in expected[2:]]
+    assert all(set(o) == {"text", "token_ids", "finish_reason", "metrics"} for o in third["outputs"])
     assert [entry["token_id"] for entry in first["logprobs"]] == first["token_ids"] and len(first["token_ids"]) == 6
-    assert first["logprobs"][0]["logprob"] == pytest.approx(expected[0].logprobs[0].logprob)
+    # float32, in batches of other shapes (the second run reads the prefix cache)
+    assert first["logprobs"][0]["logprob"] == pytest.approx(expected[0].logprobs[0].logprob, abs=1e-4)
     assert "logprobs" not in second and "tools" not in second
     skipped = [line.split(": skipped: ")[1] for line in stderr.getvalue().splitlines() if ": skipped: " in line]
-    assert "'n'" in skipped[0] and "'response_format'" in skipped[1] and "messages" in skipped[2], skipped
+    assert len(skipped) == 2 and "'response_format'" in skipped[0] and "messages" in skipped[1], skipped
 
 
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(llm, tmp_path, capsys):
