@@ -4,7 +4,8 @@ lossless.
 
 - `GuidedSpec` (runtime.sampling_params) is what a request asks for (SamplingParams.guided).
 - `Grammars` (one per engine) compiles specs for the engine's tokenizer, cached by
-  xgrammar; a spec that does not compile is a ValueError naming the problem (a 400). The
+  xgrammar; a spec that does not compile, or whose first mask allows no token (a regex of
+  characters the vocabulary cannot spell), is a ValueError naming the problem (a 400). The
   server compiles a request's spec off the engine's loop.
 - `Constraint` (one per sequence) is the grammar's state after the sequence's committed
   output. Before a step is scheduled it prunes the draft nodes the grammar forbids after
@@ -42,12 +43,26 @@ from runtime.sampling_params import GuidedSpec
 
 
 class GrammarError(ValueError):
-    """A JSON schema, regex, choice list or grammar that does not compile."""
+    """A JSON schema, regex, choice list or grammar that does not compile, or that no output
+    of the model's vocabulary satisfies."""
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
+         "grammar": "grammar"}  # a GuidedSpec kind, in messages
 
 
 def _ebnf_string(text: str) -> str:
     """text as an EBNF string literal (JSON's escapes are the grammar's)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def _has_first_token(compiled, vocab_size: int) -> bool:
+    """Whether the grammar's first mask allows any token (its stop token too, where it takes
+    an empty output). A regex of characters the vocabulary cannot spell allows none."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(V / 32)]
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _library_message(error: Exception) -> str:
@@ -77,24 +92,30 @@ class Grammars:
             return self._compiler
 
     def compile(self, spec: GuidedSpec):
-        """The xgrammar CompiledGrammar of spec; GrammarError naming what does not compile."""
-        compiler = self.compiler
+        """The xgrammar CompiledGrammar of spec; GrammarError naming what does not compile, or
+        saying that no token of the vocabulary can begin an output it takes."""
         try:
-            if spec.kind == "json":
-                schema = spec.value if isinstance(spec.value, str) else json.dumps(spec.value)
-                json.loads(schema)  # text that is no JSON at all: said by json, not by xgrammar's internals
-                return compiler.compile_json_schema(schema, any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.value)
-            if spec.kind == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_string, spec.value)))
-            return compiler.compile_grammar(spec.value)
+            compiled = self._compile(spec)
         except (RuntimeError, ValueError) as e:
-            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
-                    "grammar": "grammar"}[spec.kind]
-            raise GrammarError(f"the {what} does not compile: {_library_message(e)}") from None
+            raise GrammarError(f"the {_WHAT[spec.kind]} does not compile: {_library_message(e)}") from None
+        if not _has_first_token(compiled, self.vocab_size):
+            raise GrammarError(f"the {_WHAT[spec.kind]} takes no output this model can write: no token of its "
+                               f"vocabulary can begin one")
+        return compiled
+
+    def _compile(self, spec: GuidedSpec):
+        compiler = self.compiler
+        if spec.kind == "json":
+            schema = spec.value if isinstance(spec.value, str) else json.dumps(spec.value)
+            json.loads(schema)  # text that is no JSON at all: said by json, not by xgrammar's internals
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_string, spec.value)))
+        return compiler.compile_grammar(spec.value)
 
     def constraint(self, spec: GuidedSpec) -> Constraint:
         import xgrammar as xgr

@@ -58,21 +58,25 @@ def test_stop_strings_end_the_text_where_they_begin(tokenizer, stops, include, p
 
 
 def test_a_grammar_no_token_can_continue_ends_the_output_short(tokenizer):
-    """A regex for a character that no token of SmolLM2's vocabulary (as xgrammar reads it)
-    begins: the masks allow nothing, the sampler picks some token anyway, and the request
-    ends with finish_reason "length" and without that token, not with an error (schemathesis
-    found it as a 500)."""
+    """A regex whose second character no token of SmolLM2's vocabulary (as xgrammar reads
+    it) begins: after "a" the masks allow nothing, the sampler picks some token anyway, and
+    the request ends with finish_reason "length" and without that token, not with an error
+    (schemathesis found it as a 500). A grammar dead from its first token is refused when it
+    compiles (tests/server/test_structured_api.py)."""
     from runtime.sampling_params import GuidedSpec
     from runtime.structured_output import Grammars, allowed_tokens
     import xgrammar as xgr
 
-    spec = GuidedSpec("regex", "\U00040000")
+    spec = GuidedSpec("regex", "a\U00040000")
     constraint = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(spec)
+    a, = tokenizer.encode("a", add_special_tokens=False)
+    fork = constraint.fork()
+    assert fork.accept(a)
     bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
-    constraint.matcher.fill_next_token_bitmask(bitmask, 0)
-    assert not allowed_tokens(bitmask, [0], len(tokenizer)).any()  # a dead end from the start
+    fork.matcher.fill_next_token_bitmask(bitmask, 0)
+    assert not allowed_tokens(bitmask, [0], len(tokenizer)).any()  # a dead end after "a"
     seq = Sequence("r", [1, 2], SamplingParams(max_tokens=8, guided=spec))
     seq.constraint = constraint
-    out = OutputProcessor(tokenizer, max_model_len=10_000).append(RequestState(seq), [0], None)
+    out = OutputProcessor(tokenizer, max_model_len=10_000).append(RequestState(seq), [a, 0], None)
     assert out.finished and out.finish_reason == "length"
-    assert out.token_ids == [] and out.text == ""
+    assert out.token_ids == [a] and out.text == "a"
