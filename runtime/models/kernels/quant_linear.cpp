@@ -130,6 +130,38 @@ void quantize_block(const uint16_t* x, int8_t* q, float* scale, float* sum, int3
     return;
   }
 #endif
+#ifdef HS_AVX2
+  if constexpr (kIsa == Isa::kAvx2) {  // the portable code's arithmetic, 8 lanes at a time
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {  // bf16 -> float32: the bits, 16 places up
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * i))), 16));
+      amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], magnitude));
+    }
+    __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i qi[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // round to nearest even
+      total = _mm256_add_epi32(total, qi[i]);
+    }
+    // the packs work within 128-bit lanes: their dwords hold q[0..3], q[8..11], q[16..19],
+    // q[24..27], q[4..7], ...; the permutation puts them in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
+    total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1)));
+    *scale = amax / 127.f;
+    *qsum = _mm_cvtsi128_si32(total4);
+    *sum = *scale * static_cast<float>(*qsum);
+    return;
+  }
+#endif
   float v[32], amax = 0.f;
   for (int j = 0; j < 32; ++j) {
     v[j] = bf16_to_float(x[j]);
