@@ -118,8 +118,10 @@ class Grammars:
         return compiler.compile_grammar(spec.value)
 
     def constraint(self, spec: GuidedSpec) -> Constraint:
+        """A fresh state of spec, which compile() has checked (LLMEngine.check_params): xgrammar's
+        cache holds it, and its first mask is not filled again."""
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.encode)
+        return Constraint(xgr.GrammarMatcher(self._compile(spec)), self.vocab_size, self.encode)
 
     def encode(self, text: str) -> list[int]:
         """text in the tokenizer's own tokens (the split the model learned)."""
